@@ -1,0 +1,1 @@
+"""The bench harness (installed as ``nki_kernels.bench``)."""

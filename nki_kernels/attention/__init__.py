@@ -1,0 +1,1 @@
+"""Shared attention components (online softmax, masks, tile scheduling) and attention kernels."""

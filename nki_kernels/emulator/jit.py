@@ -1,0 +1,219 @@
+"""``nki.jit`` and ``nki.simulate`` for the emulator (nki-spec §2).
+
+Calling a jitted kernel with NumPy arrays (or CPU torch tensors) runs it here: arguments become HBM
+tensors, the body runs as ordinary Python (each ``nisa`` call executes eagerly), returned
+``nl.shared_hbm`` tensors come back as arrays, and inputs the kernel wrote are copied back in place.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+import os
+import threading
+
+import numpy as np
+
+from . import dtypes as dt
+from . import runtime as rt
+from .errors import NkiValidationError
+from .tensor import NkiTensor, hbm_tensor, to_numpy
+
+
+def _is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _torch_to_numpy(t):
+    import torch
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise TypeError(f"the emulator runs on the CPU; got a tensor on {t.device}")
+    special = {torch.bfloat16: (torch.int16, dt.bfloat16.np)}
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        if hasattr(torch, name):
+            special[getattr(torch, name)] = (torch.uint8, getattr(dt, name).np)
+    if t.dtype in special:
+        via, npd = special[t.dtype]
+        return t.contiguous().view(via).numpy().view(npd)
+    return t.contiguous().numpy()
+
+
+def _numpy_to_torch(a, like=None):
+    import torch
+    if a.dtype == dt.bfloat16.np:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        if a.dtype == getattr(dt, name).np and hasattr(torch, name):
+            return torch.from_numpy(a.view(np.uint8).copy()).view(getattr(torch, name))
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _check_arg(name, v):
+    if isinstance(v, list):
+        raise NkiValidationError(f"kernel argument {name!r} is a list; lists are not allowed as "
+                                 f"kernel arguments since NKI 0.3.0 (pass a tuple)")
+    ok = (v is None or isinstance(v, (bool, int, float, str, tuple, enum.Enum, dt.NkiDtype,
+                                      np.integer, np.floating)) or callable(v)
+          or type(v).__name__ == "NKIObject" or hasattr(v, "__dict__"))
+    if not ok:
+        raise NkiValidationError(f"kernel argument {name!r} has unsupported type "
+                                 f"{type(v).__name__}")
+
+
+class Kernel:
+    """A function decorated with ``@nki.jit``. ``kernel[2](...)`` launches it with LNC=2."""
+
+    def __init__(self, fn, grid=None, options=None):
+        if isinstance(fn, Kernel):
+            raise NkiValidationError(f"nki.jit applied twice to {fn.fn.__name__}")
+        self.fn = fn
+        self.grid = grid
+        self.options = dict(options or {})
+        functools.update_wrapper(self, fn)
+
+    def __repr__(self):
+        return f"<nki.jit kernel {self.fn.__name__}{'' if self.grid is None else [self.grid]}>"
+
+    def __getitem__(self, grid):
+        if isinstance(grid, tuple):
+            if len(grid) != 1:
+                raise NkiValidationError(f"{self.fn.__name__}[{grid}]: only a single integer LNC "
+                                         f"degree is allowed (multi-dimensional SPMD grids were "
+                                         f"removed)")
+            grid = grid[0]
+        if not isinstance(grid, int) or grid not in (1, 2):
+            raise NkiValidationError(f"{self.fn.__name__}[{grid!r}]: the launch grid is the LNC "
+                                     f"degree and must be 1 or 2")
+        return Kernel(self.fn, grid, self.options)
+
+    def __call__(self, *args, **kwargs):
+        return run_kernel(self, args, kwargs)
+
+
+def jit(fn=None, **kwargs):
+    """``@nki.jit`` / ``@nki.jit()`` / ``nki.jit(f)``. ``mode=`` and ``platform_target=`` are
+    rejected (removed in NKI 0.3.0)."""
+    for bad in ("mode", "platform_target"):
+        if bad in kwargs:
+            raise NkiValidationError(f"nki.jit({bad}=...) was removed in NKI 0.3.0; use nki.simulate "
+                                     f"or NEURON_PLATFORM_TARGET_OVERRIDE")
+    unknown = set(kwargs) - {"compile_config", "specialization_config", "debug_kernel",
+                             "show_compiler_tb", "additional_compile_opt"}
+    if unknown:
+        raise TypeError(f"nki.jit: unknown options {sorted(unknown)}")
+    if fn is None:
+        return lambda f: Kernel(f, options=kwargs)
+    return Kernel(fn, options=kwargs)
+
+
+def simulate(kernel, target=None):
+    """``nki.simulate(kernel)(*arrays)``: run on the emulator (numpy in, numpy out)."""
+    k = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+
+    def call(*args, **kwargs):
+        if target is None:
+            return k(*args, **kwargs)
+        with rt.target(target):
+            return k(*args, **kwargs)
+    return call
+
+
+def _lnc_from_env():
+    v = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    if not v:
+        return None
+    if v not in ("1", "2"):
+        raise NkiValidationError(f"NEURON_LOGICAL_NC_CONFIG must be 1 or 2; got {v!r}")
+    return int(v)
+
+
+def run_kernel(kernel: Kernel, args, kwargs):
+    if rt.maybe_core() is not None:
+        raise NkiValidationError(f"{kernel.fn.__name__}: a @nki.jit kernel was called from inside "
+                                 f"another kernel; only the top-level kernel may carry @nki.jit "
+                                 f"(call the undecorated helper instead)")
+    gen = rt.current_gen()
+    lnc = kernel.grid or _lnc_from_env() or 1
+    if lnc == 2 and gen.nc_version < 3:
+        raise NkiValidationError(f"{kernel.fn.__name__}: LNC=2 needs Trn2 or Trn3; target is "
+                                 f"{gen.name}")
+    launch = rt.Launch(gen, lnc, kernel.fn.__name__, grid=kernel.grid is not None)
+    for tr in rt._tracers:
+        tr.launches.append({"kernel": kernel.fn.__name__, "target": gen.name, "lnc": lnc})
+    sig = inspect.signature(kernel.fn)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{kernel.fn.__name__}: {e}") from None
+    use_torch = False
+    write_back = []
+    in_buf = rt.shared_hbm if lnc > 1 else rt.hbm
+
+    def convert(name, v):
+        nonlocal use_torch
+        if _is_torch(v):
+            use_torch = True
+            arr = _torch_to_numpy(v)
+            t = hbm_tensor(arr, in_buf, name)
+            write_back.append((t, v, True))
+            return t
+        if isinstance(v, np.ndarray):
+            t = hbm_tensor(v, in_buf, name)
+            write_back.append((t, v, False))
+            return t
+        if isinstance(v, tuple):
+            return tuple(convert(f"{name}[{i}]", x) for i, x in enumerate(v))
+        _check_arg(name, v)
+        return v
+
+    call_args = {n: convert(n, v) for n, v in bound.arguments.items()}
+    results = [None] * lnc
+    errors = [None] * lnc
+
+    def program(i):
+        try:
+            results[i] = launch.run(i, lambda: kernel.fn(**call_args))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors[i] = e
+
+    if lnc == 1:
+        program(0)
+    else:
+        threads = [threading.Thread(target=program, args=(i,), name=f"nki-program-{i}")
+                   for i in range(lnc)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    failed = [e for e in errors if e is not None]
+    if failed:
+        # a program that failed makes the other one fail at its next rendezvous: report the cause
+        root = [e for e in failed if not (isinstance(e, NkiValidationError)
+                                          and "never reached" in str(e))]
+        raise (root or failed)[0]
+    for t, orig, is_torch in write_back:
+        data = to_numpy(t)
+        if is_torch:
+            if not np.array_equal(data.view(np.uint8), _torch_to_numpy(orig).view(np.uint8)):
+                orig.copy_(_numpy_to_torch(data).reshape(orig.shape))
+        elif orig.flags.writeable:
+            np.copyto(orig, data.reshape(orig.shape))
+    out = results[0]
+    return _outputs(kernel, out, use_torch)
+
+
+def _outputs(kernel, out, use_torch):
+    if out is None:
+        return None
+    if isinstance(out, NkiTensor):
+        if out.buffer is not rt.shared_hbm:
+            raise NkiValidationError(
+                f"{kernel.fn.__name__}: returned tensor {out.name!r} is in {out.buffer.name}; kernel "
+                f"outputs must be allocated in nl.shared_hbm")
+        arr = to_numpy(out)
+        return _numpy_to_torch(arr) if use_torch else arr
+    if isinstance(out, (tuple, list)):
+        return type(out)(_outputs(kernel, o, use_torch) for o in out)
+    raise NkiValidationError(f"{kernel.fn.__name__}: kernels return nl.shared_hbm tensors (or a "
+                             f"tuple of them); got {type(out).__name__}")

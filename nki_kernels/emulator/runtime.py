@@ -1,0 +1,389 @@
+"""Execution state of the emulator: target generation, per-core state, storage and allocators.
+
+One ``Launch`` is one call of a jitted kernel; it owns one ``Core`` per LNC program (SBUF/PSUM
+allocators, ScalarE/VectorE accumulator registers) and the HBM storage the programs share.
+The current core is thread-local, because LNC=2 runs each program in its own thread.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from .. import hardware
+from . import dtypes as dt
+from .errors import NkiValidationError
+
+_tls = threading.local()
+_target_override: list[str] = []
+
+
+# ----------------------------------------------------------------------------- target selection
+def current_target_name() -> str:
+    """Target of the running kernel, else an explicit override, else the env var, else trn3."""
+    core = getattr(_tls, "core", None)
+    if core is not None:
+        return core.gen.name
+    if _target_override:
+        return _target_override[-1]
+    env = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
+    if env:
+        return hardware.generation(env).name
+    return hardware.DEFAULT_TARGET
+
+
+def current_gen() -> hardware.Generation:
+    return hardware.generation(current_target_name())
+
+
+@contextlib.contextmanager
+def target(name: str):
+    """Run everything inside the block for ``name`` (``"trn2"``, ``"trn3"``)."""
+    _target_override.append(hardware.generation(name).name)
+    try:
+        yield
+    finally:
+        _target_override.pop()
+
+
+# ----------------------------------------------------------------------------- buffers
+class MemoryRegion:
+    """``nl.sbuf``, ``nl.psum``, ``nl.private_hbm`` (= ``nl.hbm``), ``nl.shared_hbm``."""
+
+    def __init__(self, name: str, on_chip: bool):
+        self.name = name
+        self.on_chip = on_chip
+
+    def __repr__(self):
+        return f"nl.{self.name}"
+
+    @property
+    def is_hbm(self):
+        return not self.on_chip
+
+
+sbuf = MemoryRegion("sbuf", True)
+psum = MemoryRegion("psum", True)
+private_hbm = MemoryRegion("private_hbm", False)
+hbm = private_hbm
+shared_hbm = MemoryRegion("shared_hbm", False)
+
+
+def as_buffer(buffer, where: str) -> MemoryRegion:
+    if isinstance(buffer, MemoryRegion):
+        return buffer
+    raise TypeError(f"{where}: buffer must be nl.sbuf, nl.psum, nl.hbm, nl.private_hbm or "
+                    f"nl.shared_hbm; got {buffer!r} (strings are rejected since NKI 0.3.0)")
+
+
+# ----------------------------------------------------------------------------- storage
+_alloc_ids = itertools.count(1)
+
+
+class Storage:
+    """One allocation: raw bytes plus where it lives.
+
+    On-chip storage is ``partitions`` rows of ``row_bytes`` bytes; HBM storage is linear.
+    ``mm_written`` (PSUM only) marks bytes last written by a matmul, for ``accumulate=None``.
+    """
+
+    __slots__ = ("id", "buffer", "raw", "nbytes", "partitions", "row_bytes", "name", "core",
+                 "p0", "addr", "mm_written", "dtype", "__weakref__")
+
+    def __init__(self, buffer, nbytes, dtype, name="", partitions=1, row_bytes=None, core=None):
+        self.id = next(_alloc_ids)
+        self.buffer = buffer
+        self.nbytes = int(nbytes)
+        self.raw = np.empty(self.nbytes, dtype=np.uint8)
+        self.partitions = partitions
+        self.row_bytes = row_bytes if row_bytes is not None else self.nbytes
+        self.name = name
+        self.core = core
+        self.p0 = 0            # start partition (address=) for on-chip
+        self.addr = 0          # byte offset within a partition (on-chip) after placement
+        self.mm_written = None
+        self.dtype = dtype
+
+    def __repr__(self):
+        return f"<{self.buffer.name} alloc #{self.id} {self.name!r} {self.nbytes} B>"
+
+
+class OnChipAllocator:
+    """Capacity accounting for SBUF or PSUM of one core.
+
+    SBUF: per-partition byte usage of live allocations must stay within the usable bytes per
+    partition (allocations start at partition 0 unless ``address=`` says otherwise; fragmentation
+    is not modelled). PSUM: first-fit into 2 KiB banks; a tile of <= 2 KiB is never split across
+    banks, larger tiles take whole consecutive banks; 16 KiB per partition in all.
+    Allocations are released when the Python object dies (an allocation inside a loop body is
+    freed when it goes out of use), which is what lets the compiler rotate buffers.
+    """
+
+    def __init__(self, region: MemoryRegion, gen: hardware.Generation):
+        self.region = region
+        self.gen = gen
+        if region is sbuf:
+            self.capacity = gen.sbuf_usable_bytes
+            self.usage = np.zeros(gen.pmax, dtype=np.int64)
+            self.peak = 0
+        else:
+            self.capacity = gen.psum_bytes_per_partition
+            self.bank_fill = [[] for _ in range(gen.psum_num_banks)]  # list of (lo, hi, id) per bank
+            self.peak = 0
+        self.live = {}
+
+    def allocate(self, st: Storage, address):
+        if self.region is sbuf:
+            self._alloc_sbuf(st, address)
+        else:
+            self._alloc_psum(st, address)
+        weakref.finalize(st, self.release, st.id)
+
+    def _alloc_sbuf(self, st, address):
+        p0 = 0
+        if address is not None:
+            p0, st.addr = int(address[0]), int(address[1])
+            if st.addr + st.row_bytes > self.capacity:
+                raise NkiValidationError(
+                    f"nl.ndarray: SBUF tensor {st.name!r} at address={address} with {st.row_bytes} "
+                    f"bytes per partition ends past the usable {self.capacity} bytes per partition "
+                    f"on {self.gen.name}")
+        st.p0 = p0
+        hi = p0 + st.partitions
+        if hi > self.gen.pmax:
+            raise NkiValidationError(f"nl.ndarray: SBUF tensor {st.name!r} spans partitions "
+                                     f"[{p0}, {hi}), past the {self.gen.pmax} partitions")
+        if address is None:
+            new = self.usage[p0:hi] + st.row_bytes
+            if new.max(initial=0) > self.capacity:
+                raise NkiValidationError(
+                    f"nl.ndarray: SBUF capacity exceeded on {self.gen.name}: allocating "
+                    f"{st.name or 'a tensor'} of {st.row_bytes} bytes per partition needs "
+                    f"{int(new.max())} bytes per partition with the live allocations; the limit is "
+                    f"{self.capacity} usable bytes per partition "
+                    f"({len(self.live)} live SBUF tensors)")
+            self.usage[p0:hi] = new
+            self.peak = max(self.peak, int(new.max(initial=0)))
+            self.live[st.id] = (p0, hi, st.row_bytes)
+        else:
+            self.live[st.id] = (p0, hi, 0)  # pinned: the kernel owns the placement
+
+    def _alloc_psum(self, st, address):
+        bank = self.gen.psum_bank_bytes
+        nb = self.gen.psum_num_banks
+        size = st.row_bytes
+        if address is not None:
+            p0, off = int(address[0]), int(address[1])
+            if off % bank:
+                raise NkiValidationError(f"nl.ndarray: PSUM address free offset {off} must be a "
+                                         f"multiple of the {bank}-byte bank size")
+            st.p0, st.addr = p0, off
+            if off + size > self.capacity:
+                raise NkiValidationError(f"nl.ndarray: PSUM tensor {st.name!r} ends at byte "
+                                         f"{off + size}, past the {self.capacity} bytes per partition")
+            self.live[st.id] = None
+            return
+        if size > bank:
+            need = -(-size // bank)
+            for b0 in range(nb - need + 1):
+                if all(not self.bank_fill[b] for b in range(b0, b0 + need)):
+                    for b in range(b0, b0 + need):
+                        self.bank_fill[b].append((0, bank, st.id))
+                    st.addr = b0 * bank
+                    self.live[st.id] = [(b, 0, bank) for b in range(b0, b0 + need)]
+                    self._peak()
+                    return
+        else:
+            for b in range(nb):
+                lo = 0
+                for (a, z, _) in sorted(self.bank_fill[b]):
+                    if a - lo >= size:
+                        break
+                    lo = max(lo, z)
+                if lo + size <= bank:
+                    self.bank_fill[b].append((lo, lo + size, st.id))
+                    st.addr = b * bank + lo
+                    self.live[st.id] = [(b, lo, lo + size)]
+                    self._peak()
+                    return
+        used = sum(z - a for fill in self.bank_fill for (a, z, _) in fill)
+        raise NkiValidationError(
+            f"nl.ndarray: PSUM capacity exceeded on {self.gen.name}: no room for {st.name or 'a tile'} "
+            f"of {size} bytes per partition ({used} of {self.capacity} bytes per partition live in "
+            f"{len(self.live)} tiles; a tile of <= {bank} bytes must fit inside one of the "
+            f"{nb} banks)")
+
+    def _peak(self):
+        used = sum(z - a for fill in self.bank_fill for (a, z, _) in fill)
+        self.peak = max(self.peak, used)
+
+    def release(self, sid):
+        rec = self.live.pop(sid, None)
+        if rec is None:
+            return
+        if self.region is sbuf:
+            p0, hi, nbytes = rec
+            self.usage[p0:hi] -= nbytes
+        else:
+            for (b, lo, hi) in rec:
+                self.bank_fill[b] = [t for t in self.bank_fill[b] if t[2] != sid]
+
+
+class Core:
+    """State of one NeuronCore running one program of a launch."""
+
+    def __init__(self, launch, program_id: int):
+        self.launch = launch
+        self.gen = launch.gen
+        self.program_id = program_id
+        self.sbuf = OnChipAllocator(sbuf, self.gen)
+        self.psum = OnChipAllocator(psum, self.gen)
+        # Engine accumulator registers (nki-spec §9.3): one fp32 value per partition lane.
+        self.act_acc = np.zeros(self.gen.pmax, dtype=np.float32)
+        self.dve_acc = np.zeros(self.gen.pmax, dtype=np.float32)
+        self.dve_acc_valid = False
+        self.identity_cache = {}
+        self.barrier_count = 0
+
+
+class Launch:
+    """One kernel call: its generation, LNC degree, and the programs' cores.
+
+    LNC=2 programs run in two threads that pass a baton, so exactly one runs at a time and the
+    run is deterministic: a program hands over at ``core_barrier``/``sendrecv`` or when it ends.
+    """
+
+    def __init__(self, gen: hardware.Generation, lnc: int, kernel_name: str, grid: bool = False):
+        self.gen = gen
+        self.lnc = lnc
+        self.grid = grid
+        self.kernel_name = kernel_name
+        self.cores = [Core(self, i) for i in range(lnc)]
+        self.cv = threading.Condition()
+        self.turn = 0
+        self.done = [False] * lnc
+        self.arrived = [0] * lnc
+        self.mailbox = {}
+        self.shared = []         # shared_hbm allocations, matched across programs by order
+        self.shared_idx = [0] * lnc
+
+    # ---- scheduling
+    def _wait_turn(self, i):
+        while self.turn != i:
+            self.cv.wait()
+
+    def run(self, i, fn):
+        with self.cv:
+            self._wait_turn(i)
+        try:
+            with running(self.cores[i]):
+                return fn()
+        finally:
+            with self.cv:
+                self.done[i] = True
+                if self.lnc > 1 and not self.done[1 - i]:
+                    self.turn = 1 - i
+                self.cv.notify_all()
+
+    def _rendezvous(self, core, ready):
+        """Hand the baton to the other program until ``ready()``; fail if it ended first."""
+        i = core.program_id
+        o = 1 - i
+        with self.cv:
+            while not ready():
+                if self.done[o]:
+                    raise NkiValidationError(
+                        f"{self.kernel_name}: program {i} waits at a core_barrier/sendrecv that "
+                        f"program {o} never reached (divergent control flow deadlocks the device)")
+                self.turn = o
+                self.cv.notify_all()
+                while self.turn != i and not self.done[o]:
+                    self.cv.wait()
+                self.turn = i
+
+    def barrier(self, core):
+        i = core.program_id
+        self.arrived[i] += 1
+        k = self.arrived[i]
+        self._rendezvous(core, lambda: self.arrived[1 - i] >= k)
+
+    def exchange(self, core, key, data):
+        i = core.program_id
+        n = self.arrived[i] = self.arrived[i] + 1
+        self.mailbox[(key, i, n)] = data
+        self._rendezvous(core, lambda: (key, 1 - i, n) in self.mailbox)
+        return self.mailbox[(key, 1 - i, n)]
+
+    def shared_storage(self, core, shape, dtype, name):
+        """The k-th shared_hbm allocation of each program is the same tensor (same code, LNC=2)."""
+        k = self.shared_idx[core.program_id]
+        self.shared_idx[core.program_id] += 1
+        if k < len(self.shared):
+            st, shp, dty = self.shared[k]
+            if shp != tuple(shape) or dty is not dtype:
+                raise NkiValidationError(
+                    f"nl.ndarray: shared_hbm allocation #{k} is {shp} {dty} in one program and "
+                    f"{tuple(shape)} {dtype} in the other; both programs must allocate the same "
+                    f"shared tensors")
+            return st
+        st = new_storage(shared_hbm, shape, dtype, name=name)
+        self.shared.append((st, tuple(shape), dtype))
+        return st
+
+
+def current_core() -> Core:
+    core = getattr(_tls, "core", None)
+    if core is None:
+        raise RuntimeError("this NKI call is only valid inside a kernel run by nki.jit / nki.simulate")
+    return core
+
+
+def maybe_core():
+    return getattr(_tls, "core", None)
+
+
+@contextlib.contextmanager
+def running(core: Core):
+    prev = getattr(_tls, "core", None)
+    _tls.core = core
+    try:
+        yield core
+    finally:
+        _tls.core = prev
+
+
+# ----------------------------------------------------------------------------- trace hook
+_tracers: list = []
+
+
+def tracing() -> bool:
+    return bool(_tracers)
+
+
+def new_storage(buffer: MemoryRegion, shape, dtype: dt.NkiDtype, name="", address=None,
+                fill=True) -> Storage:
+    """Allocate sentinel-filled storage for ``shape`` in ``buffer`` (on-chip: shape[0] partitions)."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    nbytes = n * dtype.itemsize
+    core = maybe_core()
+    if buffer.on_chip:
+        parts = int(shape[0])
+        row = nbytes // parts if parts else 0
+        st = Storage(buffer, nbytes, dtype, name=name, partitions=parts, row_bytes=row, core=core)
+        if core is None:
+            raise RuntimeError(f"nl.ndarray: on-chip ({buffer.name}) tensors can only be created "
+                               f"inside a running kernel")
+        (core.sbuf if buffer is sbuf else core.psum).allocate(st, address)
+        if buffer is psum:
+            st.mm_written = np.zeros(nbytes, dtype=bool)
+    else:
+        st = Storage(buffer, nbytes, dtype, name=name, core=core)
+    if fill:
+        dt.sentinel_fill(st.raw, dtype)
+    return st

@@ -1,0 +1,149 @@
+"""Instruction trace: what each ``nisa`` call did, as the cost model needs it.
+
+Recording is off unless a :func:`trace` context is open, so a plain test run pays nothing for it.
+Each record names the engine, the opcode, every operand (memory, allocation, dtype, shape, partition
+range, byte extent, contiguous run length, access pattern) and instruction attributes (matmul
+K/M/N, perf mode, DMA mode, ...).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from . import runtime as rt
+
+
+@dataclass(slots=True)
+class Operand:
+    role: str            # "dst", "src", "stationary", "moving", "data", "bias", ...
+    buffer: str          # "sbuf" | "psum" | "private_hbm" | "shared_hbm"
+    alloc: int           # allocation id: equal ids are the same physical buffer
+    dtype: str
+    itemsize: int
+    shape: tuple
+    partitions: tuple    # on-chip (p_lo, p_hi); HBM: (0, 1)
+    extent: tuple        # on-chip: (lo, hi) byte range within each partition row; HBM: absolute bytes
+    contig_bytes: int    # bytes of the innermost contiguous run (DMA descriptor size)
+    nbytes: int          # bytes this operand touches (elements * itemsize)
+    indirect: bool = False
+    pattern: tuple = ()  # ((stride, count), ...) in elements, outermost first
+
+    @property
+    def on_chip(self):
+        return self.buffer in ("sbuf", "psum")
+
+    @property
+    def runs(self):
+        """Number of contiguous runs (descriptors) of ``contig_bytes``."""
+        return max(1, self.nbytes // max(1, self.contig_bytes))
+
+
+@dataclass(slots=True)
+class Instruction:
+    seq: int
+    program: int
+    engine: str          # "tensor" | "vector" | "scalar" | "gpsimd" | "sync" | "dma"
+    opcode: str
+    reads: list
+    writes: list
+    attrs: dict = field(default_factory=dict)
+    name: str | None = None
+
+
+class Trace:
+    """The instructions of one or more kernel launches, in program order per core."""
+
+    def __init__(self):
+        self.instructions: list[Instruction] = []
+        self.launches: list[dict] = []
+
+    def __len__(self):
+        return len(self.instructions)
+
+    def __iter__(self):
+        return iter(self.instructions)
+
+    def by_engine(self):
+        out = {}
+        for ins in self.instructions:
+            out.setdefault(ins.engine, []).append(ins)
+        return out
+
+    def summary(self):
+        counts = {}
+        for ins in self.instructions:
+            counts[(ins.engine, ins.opcode)] = counts.get((ins.engine, ins.opcode), 0) + 1
+        return counts
+
+
+@contextlib.contextmanager
+def trace():
+    """Record every instruction executed inside the block: ``with trace() as t: kernel(x)``."""
+    t = Trace()
+    rt._tracers.append(t)
+    try:
+        yield t
+    finally:
+        rt._tracers.remove(t)
+
+
+def operand(role, t) -> Operand:
+    """Describe tensor view ``t`` as an Operand (only called while tracing)."""
+    st = t.storage
+    isz = t.dtype.itemsize
+    shape = t.shape
+    strides = t.strides
+    indirect = t.is_indirect()
+    off = t._base_offset()
+    if off is None:
+        off = t.offset
+    # innermost contiguous run
+    run = 1
+    expect = 1
+    dims = list(zip(shape, strides))
+    first_free = 1 if st.buffer.on_chip else 0
+    for n, s in reversed(dims[first_free:]):
+        if n == 1:
+            continue
+        if s == expect:
+            run *= n
+            expect *= n
+        else:
+            break
+    if t._vec is not None:
+        run = min(run, max(1, t.size // max(1, shape[0])))
+    nbytes = t.size * isz
+    if st.buffer.on_chip:
+        pe = st.row_bytes // isz if isz else 1
+        p_lo = st.p0 + off // pe if pe else 0
+        p_hi = p_lo + (shape[0] if shape else 1)
+        f0 = off % pe if pe else 0
+        lo = hi = f0
+        for n, s in dims[1:]:
+            if s >= 0:
+                hi += s * (n - 1)
+            else:
+                lo += s * (n - 1)
+        extent = (st.addr + lo * isz, st.addr + (hi + 1) * isz)
+        parts = (p_lo, p_hi)
+    else:
+        if t._vec is not None:
+            extent = (0, st.nbytes)  # any row may be touched
+        else:
+            lo, hi = t._bounds(off)
+            extent = (lo * isz, (hi + 1) * isz)
+        parts = (0, 1)
+    return Operand(role, st.buffer.name, st.id, t.dtype.name, isz, shape, parts, extent,
+                   run * isz, nbytes, indirect, tuple(zip(strides, shape)))
+
+
+def record(engine, opcode, reads, writes, attrs=None, name=None):
+    """Append an instruction to every open trace. ``reads``/``writes``: [(role, tensor)]."""
+    core = rt.maybe_core()
+    ins = Instruction(0, core.program_id if core else 0, engine, opcode,
+                      [operand(r, t) for r, t in reads if t is not None],
+                      [operand(r, t) for r, t in writes if t is not None], attrs or {}, name)
+    for tr in rt._tracers:
+        ins.seq = len(tr.instructions)
+        tr.instructions.append(ins)
+    return ins
