@@ -21,6 +21,7 @@ from .errors import NkiRuntimeError, NkiValidationError
 from .scalars import ds, is_runtime, runtime_value
 
 MAX_VIEW_DIMS = 5
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def _prod(xs):
@@ -517,8 +518,12 @@ class NkiTensor:
                 f"of {flat.shape[0]} {self.dtype} elements (shape {self.shape}, strides "
                 f"{self.strides}, offset {off})")
         isz = flat.itemsize
-        return as_strided(flat[off:], shape=self.shape, strides=[s * isz for s in self.strides],
-                          writeable=True)
+        # stride over an unsigned view of the same width: as_strided cannot rebuild some
+        # ml_dtypes types from their array interface ('<f1' for float8_e5m2)
+        raw = flat.view(_UINT[isz])
+        v = as_strided(raw[off:], shape=self.shape, strides=[s * isz for s in self.strides],
+                       writeable=True)
+        return v.view(flat.dtype)
 
     def _oob_msg(self):
         vals = [(d.value(), d.extent, d.size) for d in self._dyn]

@@ -143,7 +143,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     s = stationary.read_f32()
     m = moving.read_f32()
     if double:
-        s = s.reshape(K * 2, M) if stationary.ndim == 3 else s.reshape(K, 2, M).reshape(2 * K, M)
+        s = s.reshape(K * 2, M)   # rows (k, r): [K, 2, M] flattened per partition
         m = m.reshape(K * 2, N)
     result = s.T @ m
     _accumulate(I, dst, result, accumulate)
