@@ -293,3 +293,41 @@ def mask_view(t):
     m = t.storage.mm_written
     return as_strided(m[off * isz:], shape=t.shape, strides=[s * isz for s in t.strides],
                       writeable=True)
+
+
+# ------------------------------------------------------------------------------------------ registers
+RC = reduce_cmd
+REDUCE_IDENTITY = {ops.add: 0.0, ops.subtract: 0.0, ops.multiply: 1.0, ops.maximum: -np.inf,
+                   ops.minimum: np.inf, ops.abs_max: 0.0, ops.abs_min: np.inf}
+
+
+def combine_acc(op, acc, part):
+    with np.errstate(all="ignore"):
+        return np.asarray(op.alu(acc.astype(np.float32), part.astype(np.float32)), dtype=np.float32)
+
+
+def dve_register(I, cmd, op, part, P, init=None):
+    """Apply ``reduce_cmd`` to the VectorE register with this instruction's row reduction ``part``.
+    Returns the value a ``reduce_res`` read-out receives."""
+    core = rt.current_core()
+    acc = core.dve_acc[:P]
+    if cmd is RC.idle:
+        # nki-spec §9.3/§11.2: even idle may clobber the VectorE accumulators; poison them so that
+        # a later reduce_cmd=reduce that relies on them shows NaN (and warns). A reduce_res read-out
+        # with idle gets this instruction's own reduction (spec silent; the pre-register behaviour).
+        acc[...] = np.nan
+        core.dve_acc_valid = False
+        return part
+    if cmd is RC.reduce and not core.dve_acc_valid:
+        warnings.warn(f"{I}: reduce_cmd=reduce continues a VectorE accumulator that no "
+                      f"reset_reduce/load_reduce initialised (or an idle VectorE instruction may "
+                      f"have clobbered it); start each chain with reset_reduce",
+                      NkiHardwareWarning, stacklevel=3)
+    if cmd in (RC.reset, RC.reset_reduce):
+        acc[...] = REDUCE_IDENTITY[op] if op is not None else 0.0
+    elif cmd is RC.load_reduce:
+        acc[...] = np.broadcast_to(np.asarray(init, dtype=np.float32).reshape(-1), (P,))
+    if cmd is not RC.reset:
+        acc[...] = combine_acc(op, acc, part)
+    core.dve_acc_valid = True
+    return acc.copy()

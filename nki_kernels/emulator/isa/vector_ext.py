@@ -19,9 +19,24 @@ from .. import ops
 from .. import runtime as rt
 from ..errors import fail
 from ..tensor import NkiTensor
-from ._common import (NkiHardwareWarning, alu_op, as_enum, emit, gen, mask_view, need_gen,
-                      not_both_psum, on_chip, psum_write_clear, reduce_rows, same_shape_pf,
-                      scalar_or_vector)
+from ._common import (
+    REDUCE_IDENTITY,
+    NkiHardwareWarning,
+    alu_op,
+    as_enum,
+    combine_acc,
+    dve_register,
+    emit,
+    gen,
+    mask_view,
+    need_gen,
+    not_both_psum,
+    on_chip,
+    psum_write_clear,
+    reduce_rows,
+    same_shape_pf,
+    scalar_or_vector,
+)
 from ._common import engine as ENG
 from ._common import reduce_cmd as RC
 
@@ -69,9 +84,6 @@ def _tensor_reads(*items):
     return [(r, t) for r, t in items if isinstance(t, NkiTensor)]
 
 
-_IDENTITY = {ops.add: 0.0, ops.subtract: 0.0, ops.multiply: 1.0, ops.maximum: -np.inf,
-             ops.minimum: np.inf, ops.abs_max: 0.0, ops.abs_min: np.inf}
-
 
 def _row_reduce(op, x):
     """Reduce [P, F] f32 rows with ``op`` as a left fold (abs_max/abs_min: ties go to the later
@@ -83,38 +95,6 @@ def _row_reduce(op, x):
         j = x.shape[1] - 1 - np.argmax(hit, axis=1)
         return x[np.arange(x.shape[0]), j].astype(np.float32)
     return np.asarray(reduce_rows(op, x), dtype=np.float32)
-
-
-def _combine(op, acc, part):
-    with np.errstate(all="ignore"):
-        return np.asarray(op.alu(acc.astype(np.float32), part.astype(np.float32)), dtype=np.float32)
-
-
-def _dve_register(I, cmd, op, part, P, init=None):
-    """Apply ``reduce_cmd`` to the VectorE register with this instruction's row reduction ``part``.
-    Returns the value a ``reduce_res`` read-out receives."""
-    core = rt.current_core()
-    acc = core.dve_acc[:P]
-    if cmd is RC.idle:
-        # nki-spec §9.3/§11.2: even idle may clobber the VectorE accumulators; poison them so that
-        # a later reduce_cmd=reduce that relies on them shows NaN (and warns). A reduce_res read-out
-        # with idle gets this instruction's own reduction (spec silent; the pre-register behaviour).
-        acc[...] = np.nan
-        core.dve_acc_valid = False
-        return part
-    if cmd is RC.reduce and not core.dve_acc_valid:
-        warnings.warn(f"{I}: reduce_cmd=reduce continues a VectorE accumulator that no "
-                      f"reset_reduce/load_reduce initialised (or an idle VectorE instruction may "
-                      f"have clobbered it); start each chain with reset_reduce",
-                      NkiHardwareWarning, stacklevel=3)
-    if cmd in (RC.reset, RC.reset_reduce):
-        acc[...] = _IDENTITY[op] if op is not None else 0.0
-    elif cmd is RC.load_reduce:
-        acc[...] = np.broadcast_to(np.asarray(init, dtype=np.float32).reshape(-1), (P,))
-    if cmd is not RC.reset:
-        acc[...] = _combine(op, acc, part)
-    core.dve_acc_valid = True
-    return acc.copy()
 
 
 # ----------------------------------------------------------------------------- scalar_tensor_tensor
@@ -184,7 +164,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     dst.write_pf(y)
     psum_write_clear(dst)
     part = _row_reduce(reduce_op, y)
-    res = _dve_register(I, cmd, reduce_op, part, P, init)
+    res = dve_register(I, cmd, reduce_op, part, P, init)
     if reduce_res is not None:
         _write_res(reduce_res, -res if reduce_res_negate else res)
     writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
@@ -232,7 +212,7 @@ def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=RC.
     core = rt.current_core()
     acc = core.dve_acc[:P]
     if cmd is RC.reset_reduce:
-        reg = np.full(P, _IDENTITY[op1], dtype=np.float32)
+        reg = np.full(P, REDUCE_IDENTITY[op1], dtype=np.float32)
     elif cmd is RC.load_reduce:
         reg = np.broadcast_to(np.asarray(init, dtype=np.float32).reshape(-1), (P,)).copy()
     else:
@@ -435,7 +415,7 @@ def exponential(dst, src, max_value=0.0, reduce_res=None, reduce_cmd=RC.idle, re
         y = np.exp(src.read_f32() - m).astype(np.float32)
     dst.write_pf(y)
     psum_write_clear(dst)
-    res = _dve_register(I, cmd, ops.add, _row_reduce(ops.add, y), P, init)
+    res = dve_register(I, cmd, ops.add, _row_reduce(ops.add, y), P, init)
     _write_res(reduce_res, res)
     writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
     return emit("vector", I, _tensor_reads(("src", src), ("max_value", max_value),
@@ -513,9 +493,9 @@ def activate2(dst, op, data, imm0, imm1, op0, op1, relu_param=0.0, reverse0=Fals
     psum_write_clear(dst)
     acc = rt.current_core().act_acc[:P]
     if cmd in (RC.reset, RC.reset_reduce):
-        acc[...] = _IDENTITY[reduce_op] if reduce_op is not None else 0.0
+        acc[...] = REDUCE_IDENTITY[reduce_op] if reduce_op is not None else 0.0
     if cmd in (RC.reduce, RC.reset_reduce):
-        acc[...] = _combine(reduce_op, acc, _row_reduce(reduce_op, out))
+        acc[...] = combine_acc(reduce_op, acc, _row_reduce(reduce_op, out))
     if reduce_res is not None:
         _write_res(reduce_res, acc.copy())
     writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
@@ -560,7 +540,7 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
     y = np.where(mask, on_true.read_f32(), f).astype(np.float32)
     dst.write_pf(y)
     psum_write_clear(dst)
-    res = _dve_register(I, cmd, reduce_op, _row_reduce(reduce_op, y), P)
+    res = dve_register(I, cmd, reduce_op, _row_reduce(reduce_op, y), P)
     _write_res(reduce_res, res)
     writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
     return emit("vector", I, _tensor_reads(("predicate", predicate), ("on_true", on_true),
