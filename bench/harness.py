@@ -1,0 +1,357 @@
+"""The bench harness: run registered cases, place them on the roofline, write the results.
+
+For each case of ``bench/defs`` (op x shape x dtype) on one target:
+
+* modeled (the emulator backend): run the op under the cost model
+  (``nki_kernels.emulator.cost.estimate``) and take its ``total_ns``;
+* measured (a Neuron device): ``bench/device.py`` -- device time from the Neuron runtime, after
+  warm-up, over repeats, with an optional profile capture;
+
+then TFLOP/s and GB/s from the reference's FLOP and byte counters, % of the binding roof and the
+roof's name (``roofline.roof_point``). Results: JSON lines appended to ``results.jsonl`` (git sha
+and date on every line), a markdown table ``bench_<target>.md`` and a roofline plot
+``roofline_<target>.png``, under ``bench/results/`` by default.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from nki_kernels.bench import defs, roofline
+
+# hardware.md B.4: below ~10 us, launch overhead and the dI/dt ramp dominate a kernel
+SHORT_KERNEL_US = 10.0
+TIER_NAMES = ("fast", "odd", "models")
+
+
+class BenchError(RuntimeError):
+    """A bench request that cannot run here (message is meant for the user, as is)."""
+
+
+# ------------------------------------------------------------------------------ environment
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def default_out_dir() -> Path:
+    """``bench/results`` of the source checkout; ``./bench-results`` for an installed wheel."""
+    here = Path(__file__).resolve().parent
+    if "site-packages" not in here.parts and os.access(here, os.W_OK):
+        return here / "results"
+    return Path.cwd() / "bench-results"
+
+
+def git_sha() -> str:
+    """Short HEAD sha of the checkout, ``+dirty`` when tracked files differ; ``unknown`` outside
+    git. Read-only: no index refresh (GIT_OPTIONAL_LOCKS=0)."""
+    env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")
+    root = str(repo_root())
+    try:
+        sha = subprocess.run(["git", "-C", root, "rev-parse", "--short=12", "HEAD"], env=env,
+                             capture_output=True, text=True, timeout=10)
+        if sha.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "-C", root, "diff", "--quiet", "HEAD", "--"], env=env,
+                               capture_output=True, timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def backend_name() -> str:
+    from nki_kernels import backend
+    return backend.BACKEND
+
+
+# ---------------------------------------------------------------------------------- selection
+
+
+def select(ops=None, tier: str = "fast", target: str = "trn3", shape: str | None = None):
+    """The cases to run: registered ``ops`` (all when None) in ``tier`` for ``target``, only
+    shapes whose name contains ``shape`` when given."""
+    if tier not in TIER_NAMES:
+        raise BenchError(f"tier must be one of {', '.join(TIER_NAMES)}; got {tier!r}")
+    known = defs.registered()
+    errors = defs.load()
+    wanted = list(ops) if ops else known
+    out = []
+    for op in wanted:
+        if op not in known:
+            hint = ""
+            if op in errors:
+                hint = f" (its definition bench/defs/{op}.py failed to import: {errors[op]})"
+            raise BenchError(f"no bench definition for op {op!r}{hint}; registered: "
+                             f"{', '.join(known) or 'none'}")
+        out.extend(c for c in defs.cases(op, tier, target) if not shape or shape in c.shape)
+    return out
+
+
+def case_rng(case, seed: int = 0):
+    """A generator seeded by (seed, op, shape, dtype): the same inputs whatever else runs."""
+    key = zlib.crc32(f"{case.op}|{case.shape}|{case.dtype}".encode())
+    return np.random.default_rng([seed, key])
+
+
+# -------------------------------------------------------------------------------- running
+
+
+def run_modeled(case, target: str, inputs) -> dict:
+    """Cost-model time of one case on the emulator."""
+    from nki_kernels.emulator import target as emulated_target
+    from nki_kernels.emulator.cost import estimate
+    with emulated_target(target):
+        rep = estimate(case.run, *inputs, target=target, lnc=case.lnc)
+    busy = {k: float(v) for k, v in dict(getattr(rep, "engine_busy_ns", {}) or {}).items()}
+    engine = getattr(rep, "binding_engine", None)
+    return {"time_ns": float(rep.total_ns), "engine_busy_ns": busy, "binding_engine": engine,
+            "n_instructions": getattr(rep, "n_instructions", None)}
+
+
+def run_measured(case, inputs, *, warmup: int, repeats: int, profile_dir=None) -> dict:
+    """Device time of one case (see bench/device.py)."""
+    from nki_kernels.bench import device
+    m = device.measure(case, inputs, warmup=warmup, repeats=repeats, profile_dir=profile_dir)
+    return {"time_ns": m.time_ns, "host_ns": m.host_ns, "method": m.method, "neffs": m.neffs,
+            "profile": m.profile, "notes": m.notes}
+
+
+def make_row(case, target: str, source: str, res: dict | None, *, sha: str, date: str,
+             error: str | None = None) -> dict:
+    """One result line. ``res`` is what run_modeled / run_measured returned (None on error)."""
+    row = {
+        "op": case.op, "shape": case.shape, "dims": dict(case.dims), "dtype": case.dtype,
+        "target": target, "lnc": case.lnc, "source": source,
+        "time_us": None, "tflops": None, "gbps": None, "pct_roof": None, "roof": None,
+        "model_bound": None, "pct_tensor": None, "pct_hbm": None,
+        "ai": (case.flops / case.bytes) if case.bytes else None,
+        "flops": case.flops, "bytes": case.bytes, "roof_kind": case.roof_kind,
+        "git_sha": sha, "date": date,
+    }
+    if error is not None or res is None:
+        row["error"] = error or "no result"
+        return row
+    time_s = res["time_ns"] * 1e-9
+    engine_bound = None
+    eng = res.get("binding_engine")
+    if eng:
+        row["model_bound"] = roofline.ENGINE_NAMES.get(eng, str(eng))
+        busy = res.get("engine_busy_ns", {}).get(eng)
+        if eng not in ("tensor", "dma") and busy:
+            engine_bound = (f"{row['model_bound']} (modeled work)", busy * 1e-9)
+    pt = roofline.roof_point(case.flops, case.bytes, time_s, target, case.roof_kind, case.lnc,
+                             case.ceilings, engine_bound)
+    row.update(time_us=res["time_ns"] / 1e3, tflops=pt.tflops, gbps=pt.gbps,
+               pct_roof=pt.pct_roof, roof=pt.roof, pct_tensor=pt.pct_tensor, pct_hbm=pt.pct_hbm,
+               short=res["time_ns"] / 1e3 < SHORT_KERNEL_US)
+    if "engine_busy_ns" in res:
+        row["engine_busy_us"] = {k: v / 1e3 for k, v in res["engine_busy_ns"].items()}
+        row["n_instructions"] = res.get("n_instructions")
+    for k in ("host_ns", "method", "neffs", "profile", "notes"):
+        if res.get(k) is not None:
+            row["host_us" if k == "host_ns" else k] = (res[k] / 1e3 if k == "host_ns" else res[k])
+    return row
+
+
+def run(ops=None, tier: str = "fast", target: str = "trn3", *, measured: bool | None = None,
+        shape: str | None = None, seed: int = 0, warmup: int = 5, repeats: int = 20,
+        profile_dir=None, progress: bool = True, cases=None) -> list[dict]:
+    """Run the bench and return its rows (nothing is written; see ``write``).
+
+    ``measured``: None follows the backend (hardware -> measured, emulator -> modeled); True
+    requires a Neuron device (``device.NoDeviceError`` otherwise); False requires the emulator.
+    ``cases`` overrides the selection (a list of BenchCase).
+    """
+    roofline._target(target)  # validate early
+    backend = backend_name()
+    if measured is None:
+        measured = backend == "hardware"
+    if measured:
+        from nki_kernels.bench import device
+        device.require()
+    elif backend != "emulator":
+        raise BenchError(f"modeled time needs the emulator backend, but NKI_KERNELS_BACKEND "
+                         f"selects {backend!r}; run with NKI_KERNELS_BACKEND=emulator (or "
+                         f"`nki-kernels bench --modeled`), or pass --measured on a device")
+    selected = list(cases) if cases is not None else select(ops, tier, target, shape)
+    source = "measured" if measured else "modeled"
+    sha, date = git_sha(), now_iso()
+    rows = []
+    bar = Progress(len(selected), enabled=progress)
+    for i, case in enumerate(selected):
+        bar.start(i, f"{case.op} {case.shape} {case.dtype}")
+        inputs = None
+        try:
+            inputs = case.make_inputs(case_rng(case, seed))
+            if measured:
+                res = run_measured(case, inputs, warmup=warmup, repeats=repeats,
+                                   profile_dir=profile_dir)
+            else:
+                res = run_modeled(case, target, inputs)
+            row = make_row(case, target, source, res, sha=sha, date=date)
+        except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
+            row = make_row(case, target, source, None, sha=sha, date=date,
+                           error=f"{type(e).__name__}: {e}")
+        del inputs
+        rows.append(row)
+        bar.done(i, row)
+    bar.close()
+    return rows
+
+
+# ---------------------------------------------------------------------------------- outputs
+
+
+def write_jsonl(rows, path) -> Path:
+    """Append ``rows`` to the JSON-lines file ``path`` (one object per line)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for r in rows:
+            f.write(json.dumps(r, default=_json_default, sort_keys=False) + "\n")
+    return path
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, Path):
+        return str(x)
+    return str(x)
+
+
+def _fmt(v, spec):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec)
+
+
+def markdown_table(rows, *, tier: str | None = None) -> str:
+    """The markdown report of ``rows``: header (target, date, sha, denominators), one table."""
+    if not rows:
+        return "_no bench rows_\n"
+    targets = sorted({r["target"] for r in rows})
+    sources = sorted({r["source"] for r in rows})
+    kinds = {r["roof_kind"] for r in rows}
+    lines = [
+        f"# nki-kernels bench: {', '.join(targets)}" + (f", tier {tier}" if tier else ""),
+        "",
+        f"{rows[0]['date']}, git {rows[0]['git_sha']}, time {' / '.join(sources)} "
+        f"({'emulator cost model' if sources == ['modeled'] else 'Neuron device'}).",
+        "Denominators per NeuronCore x cores used (LNC): TensorE "
+        + ", ".join(f"{k} {roofline.peak_tflops(t, k):g} TF ({t})" for t in targets
+                    for k in roofline.KINDS if k in kinds and roofline._supported(t, k))
+        + "; memory " + ", ".join(f"{roofline.hbm_bw(t):g} GB/s ({t})" for t in targets)
+        + " = min(HBM share, DMA peak).",
+        "",
+        "| op | shape | dims | dtype | target | LNC | time (us) | TFLOP/s | GB/s | % of roof | "
+        "binding roof | bound in model | source |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for r in rows:
+        dims = " ".join(f"{k}={v}" for k, v in r["dims"].items())
+        if r.get("error"):
+            lines.append(f"| {r['op']} | {r['shape']} | {dims} | {r['dtype']} | {r['target']} | "
+                         f"{r['lnc']} | error | | | | | | {r['source']} |")
+            continue
+        t = _fmt(r["time_us"], ".2f") + (" †" if r.get("short") else "")
+        lines.append(
+            f"| {r['op']} | {r['shape']} | {dims} | {r['dtype']} | {r['target']} | {r['lnc']} | "
+            f"{t} | "
+            f"{_fmt(r['tflops'], '.2f')} | {_fmt(r['gbps'], '.1f')} | "
+            f"{_fmt(r['pct_roof'], '.1f')} | {r['roof']} | {r.get('model_bound') or '-'} | "
+            f"{r['source']} |")
+    notes = []
+    if any(r.get("short") for r in rows):
+        notes.append(f"† shorter than {SHORT_KERNEL_US:g} us: fixed launch overhead and the "
+                     f"TensorE dI/dt ramp dominate such kernels on hardware.")
+    errs = [r for r in rows if r.get("error")]
+    if errs:
+        notes.append("Errors:")
+        notes += [f"- {r['op']} {r['shape']} {r['dtype']}: {r['error']}" for r in errs]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def write(rows, out_dir=None, *, json_path=None, tier: str | None = None,
+          plot: bool = True) -> dict:
+    """Write the JSON lines (appended), the markdown table and the roofline PNG of ``rows``.
+    Returns {"json": path, "markdown": path, "plot": path or None}."""
+    out = Path(out_dir) if out_dir is not None else default_out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": write_jsonl(rows, json_path or out / "results.jsonl")}
+    targets = sorted({r["target"] for r in rows}) or ["trn3"]
+    tag = "_".join(targets)
+    md = out / f"bench_{tag}.md"
+    md.write_text(markdown_table(rows, tier=tier))
+    paths["markdown"] = md
+    paths["plot"] = None
+    if plot:
+        png = out / f"roofline_{tag}.png"
+        if roofline.plot(rows, png, targets[0]):
+            paths["plot"] = png
+    return paths
+
+
+# --------------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A plain stderr progress bar: redrawn in place on a terminal, one line per case otherwise."""
+
+    def __init__(self, total: int, stream=None, enabled: bool = True, width: int = 28):
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.enabled = enabled and total > 0
+        self.width = width
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.perf_counter()
+        self.t_case = self.t0
+        self.errors = 0
+
+    def _bar(self, done: int) -> str:
+        fill = int(self.width * done / max(1, self.total))
+        return "[" + "#" * fill + "." * (self.width - fill) + f"] {done}/{self.total}"
+
+    def start(self, i: int, label: str):
+        self.t_case = time.perf_counter()
+        if self.enabled and self.tty:
+            elapsed = self.t_case - self.t0
+            msg = f"\r{self._bar(i)} {elapsed:5.0f}s  {label}"
+            self.stream.write(msg[:120].ljust(120))
+            self.stream.flush()
+
+    def done(self, i: int, row: dict):
+        if row.get("error"):
+            self.errors += 1
+        if self.enabled and not self.tty:
+            dt = time.perf_counter() - self.t_case
+            what = "ERROR" if row.get("error") else f"{row['time_us']:.1f} us"
+            self.stream.write(f"{self._bar(i + 1)} {row['op']} {row['shape']} {row['dtype']}: "
+                              f"{what} ({dt:.1f} s)\n")
+            self.stream.flush()
+
+    def close(self):
+        if not self.enabled:
+            return
+        total = time.perf_counter() - self.t0
+        end = f"{self._bar(self.total)} done in {total:.0f}s"
+        if self.errors:
+            end += f", {self.errors} error(s)"
+        self.stream.write(("\r" + end.ljust(120) if self.tty else end) + "\n")
+        self.stream.flush()

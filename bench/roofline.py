@@ -1,0 +1,199 @@
+"""Roofline math for the bench: peaks, the binding roof of a row, and the roofline plot.
+
+Denominators follow conventions.md (Bench) and hardware.md B.4 / C.1:
+
+* compute roof: per-NeuronCore TensorE peak for the operand kind x cores used (LNC);
+* memory roof: min(HBM share per NC, DMA practical peak per NC) x cores used;
+* engine ceilings a bench case declares (e.g. ScalarE exp throughput for attention), and, for a
+  modeled row, the busy time of a non-TensorE/DMA engine when the cost model says it binds.
+
+Never the chip marketing figure. The numbers come from ``nki_kernels.hardware`` when it provides
+``peak_tflops(target, kind)`` / ``hbm_bw(target)``; the table below holds the same documented
+per-NC figures for when it does not (yet).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+KINDS = ("bf16", "fp8", "mx", "fp32")
+
+# Per NeuronCore [hardware.md A.2]: TensorE 128x128 at 2.4 GHz -> 78.6 TF bf16 [Der], fp8
+# double_row 2x, MXFP8/MXFP4 4x (Trn3 only), fp32 1/4 rate. None = not supported on that target.
+_PEAK_TFLOPS = {
+    "trn2": {"bf16": 78.6, "fp8": 157.0, "mx": None, "fp32": 19.7},
+    "trn3": {"bf16": 78.6, "fp8": 157.0, "mx": 315.0, "fp32": 19.7},
+}
+# GB/s per NC: min(HBM share = chip HBM / 8, DMA practical peak = 16 queues x B/ns) [A.2, C.1]
+_HBM_SHARE = {"trn2": 362.5, "trn3": 612.5}
+_DMA_PEAK = {"trn2": 368.0, "trn3": 528.0}
+
+# Display names of the cost model's engines.
+ENGINE_NAMES = {"tensor": "TensorE", "vector": "VectorE", "scalar": "ScalarE",
+                "gpsimd": "GpSimdE", "sync": "SyncE", "dma": "DMA"}
+TARGETS = ("trn2", "trn3")
+
+
+def _target(target: str) -> str:
+    t = str(target).lower()
+    aliases = {"gen3": "trn2", "gen4": "trn3"}
+    t = aliases.get(t, t)
+    if t not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {target!r}")
+    return t
+
+
+def _hardware_helper(name):
+    try:
+        from nki_kernels import hardware
+    except ImportError:  # pragma: no cover - hardware.py is part of the package
+        return None
+    return getattr(hardware, name, None)
+
+
+def peak_tflops(target: str, kind: str) -> float:
+    """TensorE dense peak of ONE NeuronCore in TFLOP/s for operand ``kind`` (bf16|fp8|mx|fp32)."""
+    t = _target(target)
+    if kind not in KINDS:
+        raise ValueError(f"roof kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    helper = _hardware_helper("peak_tflops")
+    value = helper(t, kind) if helper is not None else _PEAK_TFLOPS[t][kind]
+    if not value:
+        raise ValueError(f"{t} has no TensorE {kind} mode (MX matmul needs Trn3)")
+    return float(value)
+
+
+def hbm_bw(target: str) -> float:
+    """Memory roof of ONE NeuronCore in GB/s: min(HBM share, DMA practical peak)."""
+    t = _target(target)
+    helper = _hardware_helper("hbm_bw")
+    if helper is not None:
+        return float(helper(t))
+    return min(_HBM_SHARE[t], _DMA_PEAK[t])
+
+
+@dataclass(frozen=True)
+class EngineCeiling:
+    """A non-TensorE throughput limit a bench case declares: ``work`` units at ``per_second``
+    units/s per NeuronCore on each target. Example: attention's exps on ScalarE,
+    ``EngineCeiling("ScalarE exp", n_exp, {"trn2": 153.6e9, "trn3": 153.6e9})``."""
+    name: str
+    work: float
+    per_second: dict
+
+    def seconds(self, target: str, lnc: int = 1) -> float:
+        rate = self.per_second.get(_target(target))
+        if not rate:
+            return 0.0
+        return self.work / (rate * lnc)
+
+
+@dataclass(frozen=True)
+class RoofPoint:
+    """Where one measured or modeled run sits against the roofs of its target."""
+    tflops: float          # achieved useful TFLOP/s
+    gbps: float            # achieved compulsory GB/s
+    ai: float              # arithmetic intensity, FLOP per compulsory HBM byte (inf if no bytes)
+    roof: str              # the binding roof: "TensorE bf16", "HBM", or an engine ceiling name
+    roof_s: float          # the binding roof's lower bound on the run time, seconds
+    pct_roof: float        # 100 * roof_s / time
+    pct_tensor: float      # achieved / TensorE peak (x lnc), %
+    pct_hbm: float         # achieved / memory roof (x lnc), %
+
+
+def roof_point(flops: float, nbytes: float, time_s: float, target: str, kind: str = "bf16",
+               lnc: int = 1, ceilings=(), engine_bound: tuple[str, float] | None = None
+               ) -> RoofPoint:
+    """Place a run of ``flops`` useful FLOPs and ``nbytes`` compulsory bytes taking ``time_s``.
+
+    The binding roof is the largest lower bound on the time among: TensorE at ``kind`` peak,
+    the memory roof, each declared ``ceilings`` entry, and ``engine_bound`` = (engine name,
+    busy seconds) from the cost model when its binding engine is neither TensorE nor DMA.
+    % of roof = that bound / time (100% = running at the roof).
+    """
+    if time_s <= 0:
+        raise ValueError(f"time must be positive; got {time_s}")
+    peak = peak_tflops(target, kind) * 1e12 * lnc
+    bw = hbm_bw(target) * 1e9 * lnc
+    bounds = [(f"TensorE {kind}", flops / peak), ("HBM", nbytes / bw)]
+    bounds += [(c.name, c.seconds(target, lnc)) for c in ceilings]
+    if engine_bound is not None:
+        bounds.append(engine_bound)
+    # ties go to the earlier entry (TensorE, then HBM): max() keeps the first maximum
+    roof, roof_s = max(bounds, key=lambda b: b[1])
+    tflops = flops / time_s / 1e12
+    gbps = nbytes / time_s / 1e9
+    return RoofPoint(
+        tflops=tflops, gbps=gbps, ai=(flops / nbytes) if nbytes else math.inf,
+        roof=roof, roof_s=roof_s, pct_roof=100.0 * roof_s / time_s,
+        pct_tensor=100.0 * flops / time_s / peak, pct_hbm=100.0 * nbytes / time_s / bw)
+
+
+def ridge(target: str, kind: str = "bf16") -> float:
+    """Ridge point (FLOP/B) of one NC: TensorE peak / memory roof."""
+    return peak_tflops(target, kind) * 1e12 / (hbm_bw(target) * 1e9)
+
+
+# ------------------------------------------------------------------------------------------ plot
+
+
+def plot(rows, path, target: str, title: str | None = None) -> bool:
+    """Write a log-log roofline PNG (arithmetic intensity vs TFLOP/s) of ``rows`` (dicts from the
+    harness) for ``target``. Roofs and points are per NeuronCore: an LNC=2 row is drawn at its
+    TFLOP/s / 2. Returns False, with nothing written, when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    t = _target(target)
+    pts = [r for r in rows if r.get("target") == t and r.get("time_us") and r.get("flops")
+           and r.get("bytes")]
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    ais = [r["flops"] / r["bytes"] for r in pts]
+    lo = min([0.5] + [a / 2 for a in ais])
+    hi = max([4 * ridge(t, k) for k in KINDS if _supported(t, k)] + [a * 2 for a in ais])
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    bw = hbm_bw(t)
+    styles = {"bf16": "-", "fp8": "--", "mx": "-.", "fp32": ":"}
+    for kind in KINDS:
+        if not _supported(t, kind):
+            continue
+        peak = peak_tflops(t, kind)
+        ax.plot(xs, [min(peak, x * bw / 1e3) for x in xs], styles[kind], color="0.35", lw=1.2,
+                label=f"TensorE {kind} {peak:g} TF")
+    ax.plot([], [], " ", label=f"memory roof {bw:g} GB/s")
+    ops = sorted({r["op"] for r in pts})
+    cmap = plt.get_cmap("tab10")
+    for i, op in enumerate(ops):
+        for src, marker in (("modeled", "o"), ("measured", "s")):
+            sel = [r for r in pts if r["op"] == op and r.get("source") == src]
+            if not sel:
+                continue
+            xy = [(r["flops"] / r["bytes"], r["tflops"] / r.get("lnc", 1)) for r in sel]
+            ax.scatter([x for x, _ in xy], [y for _, y in xy], color=cmap(i % 10),
+                       marker=marker, s=30, zorder=3, label=f"{op} ({src})")
+            for r, p in zip(sel, xy):
+                lnc = f" LNC={r['lnc']}" if r.get("lnc", 1) != 1 else ""
+                ax.annotate(f"{r['shape']} {r['dtype']}{lnc}", p, fontsize=6, xytext=(3, 3),
+                            textcoords="offset points", color="0.25")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / compulsory HBM byte)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title or f"nki-kernels roofline, {t} (per NeuronCore)")
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _supported(target: str, kind: str) -> bool:
+    try:
+        peak_tflops(target, kind)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,413 @@
+"""The shapes table shared by the tests and the bench: model configs and per-op shape tiers.
+
+Model configs are the published dimensions of each model (its Hugging Face ``config.json``), held
+in frozen dataclasses with named fields. Per-op shapes are built from those configs by small
+helper functions, so a model dimension is written down exactly once.
+
+Tiers (``TIERS[name]`` or ``tier(name)``):
+
+* ``FAST``   -- a few small cases per op: every test run, and the default ``nki-kernels bench``
+  (which must finish in a few minutes on a 2-core machine under the emulator);
+* ``ODD``    -- edge sizes: 1, primes, 113, 1000, non-multiples of 128, zero-length sequences;
+* ``MODELS`` -- real model dims (Llama-3-8B, Llama-3-70B at TP8, Qwen3-30B-A3B, Qwen3-235B-A22B,
+  DeepSeek-V3, Mixtral-8x7B, Gemma-3), plus the big square GEMMs.
+
+Usage::
+
+    from nki_kernels.reference.shapes import FAST, MODELS, LLAMA3_8B
+    for s in FAST.matmul: ...            # MatmulShape(name, M, K, N)
+    LLAMA3_70B.tp_shard(8).n_kv_heads    # 1
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+# --------------------------------------------------------------------------------- model configs
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Published dimensions of one decoder-only LLM (per model, or per device after ``tp_shard``).
+
+    ``intermediate`` is the dense MLP width (SwiGLU/GeGLU: gate and up are each [hidden,
+    intermediate]); for MoE models ``moe_intermediate`` is the width of one routed expert.
+    MLA fields (``kv_lora_rank`` ...) are zero for models with ordinary GQA attention.
+    """
+
+    name: str
+    hidden: int
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    # mixture of experts (0 = dense)
+    n_experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    n_shared_experts: int = 0
+    # sliding-window attention (0 = none); Gemma-3 alternates local and global layers
+    sliding_window: int = 0
+    # multi-head latent attention (DeepSeek-V3)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    tp: int = 1                  # tensor-parallel degree these per-device dims assume
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads per KV head."""
+        return self.n_q_heads // self.n_kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_q_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def qkv_out(self) -> int:
+        """Output width of a fused QKV projection: (Hq + 2 Hkv) * d."""
+        return (self.n_q_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def mla_cache_dim(self) -> int:
+        """Per-token latent cache width of MLA (latent + rope part), 576 for DeepSeek-V3."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def tp_shard(self, tp: int) -> ModelConfig:
+        """Per-device dims under tensor parallelism of degree ``tp``: heads and MLP width split,
+        KV heads split down to 1 (replicated when tp > n_kv_heads), hidden unchanged."""
+        if self.n_q_heads % tp or self.intermediate % tp:
+            raise ValueError(f"{self.name}: tp={tp} must divide n_q_heads={self.n_q_heads} and "
+                             f"intermediate={self.intermediate}")
+        return replace(
+            self, name=f"{self.name}-TP{tp}", tp=self.tp * tp,
+            n_q_heads=self.n_q_heads // tp,
+            n_kv_heads=max(1, self.n_kv_heads // tp),
+            intermediate=self.intermediate // tp,
+            moe_intermediate=self.moe_intermediate // tp if self.moe_intermediate else 0,
+            vocab=-(-self.vocab // tp))
+
+
+# Published configs (Hugging Face config.json of each model).
+LLAMA3_8B = ModelConfig(
+    "Llama-3-8B", hidden=4096, n_layers=32, n_q_heads=32, n_kv_heads=8, head_dim=128,
+    intermediate=14336, vocab=128256, rms_eps=1e-5, rope_theta=500_000.0)
+LLAMA3_70B = ModelConfig(
+    "Llama-3-70B", hidden=8192, n_layers=80, n_q_heads=64, n_kv_heads=8, head_dim=128,
+    intermediate=28672, vocab=128256, rms_eps=1e-5, rope_theta=500_000.0)
+LLAMA3_70B_TP8 = LLAMA3_70B.tp_shard(8)
+QWEN3_30B_A3B = ModelConfig(
+    "Qwen3-30B-A3B", hidden=2048, n_layers=48, n_q_heads=32, n_kv_heads=4, head_dim=128,
+    intermediate=6144, vocab=151936, rms_eps=1e-6, rope_theta=1_000_000.0,
+    n_experts=128, top_k=8, moe_intermediate=768)
+QWEN3_235B_A22B = ModelConfig(
+    "Qwen3-235B-A22B", hidden=4096, n_layers=94, n_q_heads=64, n_kv_heads=4, head_dim=128,
+    intermediate=12288, vocab=151936, rms_eps=1e-6, rope_theta=1_000_000.0,
+    n_experts=128, top_k=8, moe_intermediate=1536)
+# DeepSeek-V3: MLA attention (128 heads, qk head dim 128 nope + 64 rope, v 128), first 3 layers
+# dense (intermediate 18432), the rest 256 routed experts (top 8) + 1 shared expert of width 2048.
+DEEPSEEK_V3 = ModelConfig(
+    "DeepSeek-V3", hidden=7168, n_layers=61, n_q_heads=128, n_kv_heads=128, head_dim=192,
+    intermediate=18432, vocab=129280, rms_eps=1e-6, rope_theta=10_000.0,
+    n_experts=256, top_k=8, moe_intermediate=2048, n_shared_experts=1,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+MIXTRAL_8X7B = ModelConfig(
+    "Mixtral-8x7B", hidden=4096, n_layers=32, n_q_heads=32, n_kv_heads=8, head_dim=128,
+    intermediate=14336, vocab=32000, rms_eps=1e-5, rope_theta=1_000_000.0,
+    n_experts=8, top_k=2, moe_intermediate=14336)
+# Gemma-3: 5 local (sliding window 1024) layers per global layer; 12B has head_dim 256.
+GEMMA3_27B = ModelConfig(
+    "Gemma-3-27B", hidden=5376, n_layers=62, n_q_heads=32, n_kv_heads=16, head_dim=128,
+    intermediate=21504, vocab=262208, rms_eps=1e-6, rope_theta=1_000_000.0, sliding_window=1024)
+GEMMA3_12B = ModelConfig(
+    "Gemma-3-12B", hidden=3840, n_layers=48, n_q_heads=16, n_kv_heads=8, head_dim=256,
+    intermediate=15360, vocab=262208, rms_eps=1e-6, rope_theta=1_000_000.0, sliding_window=1024)
+
+MODEL_CONFIGS = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B, LLAMA3_70B_TP8, QWEN3_30B_A3B,
+                                     QWEN3_235B_A22B, DEEPSEEK_V3, MIXTRAL_8X7B, GEMMA3_27B,
+                                     GEMMA3_12B)}
+
+
+# ------------------------------------------------------------------------------ per-op shapes
+
+
+@dataclass(frozen=True)
+class MatmulShape:
+    """C[M, N] = A[M, K] @ B[K, N]."""
+    name: str
+    M: int
+    K: int
+    N: int
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Prefill / flash attention: q [batch, n_q_heads, seq_q, head_dim], k/v [.., seq_kv, ..]."""
+    name: str
+    batch: int
+    seq_q: int
+    seq_kv: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    causal: bool = True
+    sliding_window: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """Decode attention over a (paged) KV cache: ``q_len`` new tokens per sequence, ``kv_len``
+    cached tokens (0 allowed: an empty sequence), ``page_size`` tokens per KV block."""
+    name: str
+    batch: int
+    q_len: int
+    kv_len: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    page_size: int = 16
+
+
+@dataclass(frozen=True)
+class QKVShape:
+    """Fused QKV projection: x [tokens, hidden] -> [tokens, (n_q_heads + 2 n_kv_heads) head_dim]."""
+    name: str
+    tokens: int
+    hidden: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class MLPShape:
+    """SwiGLU MLP: down(silu(x @ gate) * (x @ up)), x [tokens, hidden], gate/up [hidden, inter]."""
+    name: str
+    tokens: int
+    hidden: int
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Routed-expert MLP: ``tokens`` tokens, each routed to ``top_k`` of ``n_experts`` experts of
+    width ``intermediate``."""
+    name: str
+    tokens: int
+    hidden: int
+    intermediate: int
+    n_experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class RMSNormShape:
+    """RMSNorm (+ quantization) of x [tokens, hidden]."""
+    name: str
+    tokens: int
+    hidden: int
+
+
+# ---- builders: shapes named after the model they come from
+
+
+def _slug(cfg: ModelConfig) -> str:
+    return cfg.name.lower()
+
+
+def attention_of(cfg: ModelConfig, seq: int, batch: int = 1, causal: bool = True) -> AttentionShape:
+    return AttentionShape(f"{_slug(cfg)} S={seq}", batch, seq, seq, cfg.n_q_heads, cfg.n_kv_heads,
+                          cfg.head_dim, causal, cfg.sliding_window)
+
+
+def decode_of(cfg: ModelConfig, kv_len: int, batch: int = 1, q_len: int = 1,
+              page_size: int = 16) -> DecodeShape:
+    return DecodeShape(f"{_slug(cfg)} B={batch} L={kv_len}", batch, q_len, kv_len, cfg.n_q_heads,
+                       cfg.n_kv_heads, cfg.head_dim, page_size)
+
+
+def qkv_of(cfg: ModelConfig, tokens: int) -> QKVShape:
+    return QKVShape(f"{_slug(cfg)} T={tokens}", tokens, cfg.hidden, cfg.n_q_heads, cfg.n_kv_heads,
+                    cfg.head_dim)
+
+
+def mlp_of(cfg: ModelConfig, tokens: int) -> MLPShape:
+    return MLPShape(f"{_slug(cfg)} T={tokens}", tokens, cfg.hidden, cfg.intermediate)
+
+
+def moe_of(cfg: ModelConfig, tokens: int) -> MoEShape:
+    if not cfg.is_moe:
+        raise ValueError(f"{cfg.name} is not a mixture-of-experts model")
+    return MoEShape(f"{_slug(cfg)} T={tokens}", tokens, cfg.hidden, cfg.moe_intermediate,
+                    cfg.n_experts, cfg.top_k)
+
+
+def rmsnorm_of(cfg: ModelConfig, tokens: int) -> RMSNormShape:
+    return RMSNormShape(f"{_slug(cfg)} T={tokens}", tokens, cfg.hidden)
+
+
+def square(n: int) -> MatmulShape:
+    return MatmulShape(f"{n}^3", n, n, n)
+
+
+def linear_of(cfg: ModelConfig, tokens: int, which: str) -> MatmulShape:
+    """A named linear layer of ``cfg`` applied to ``tokens`` tokens, as a plain GEMM.
+
+    which: ``up`` (hidden -> intermediate), ``down`` (intermediate -> hidden), ``qkv``,
+    ``o`` (n_q_heads * head_dim -> hidden), ``expert_up`` / ``expert_down`` (one routed expert),
+    ``lm_head`` (hidden -> vocab).
+    """
+    kn = {
+        "up": (cfg.hidden, cfg.intermediate),
+        "down": (cfg.intermediate, cfg.hidden),
+        "qkv": (cfg.hidden, cfg.qkv_out),
+        "o": (cfg.q_dim, cfg.hidden),
+        "expert_up": (cfg.hidden, cfg.moe_intermediate),
+        "expert_down": (cfg.moe_intermediate, cfg.hidden),
+        "lm_head": (cfg.hidden, cfg.vocab),
+    }
+    if which not in kn:
+        raise ValueError(f"linear must be one of {', '.join(kn)}; got {which!r}")
+    K, N = kn[which]
+    if K == 0 or N == 0:
+        raise ValueError(f"{cfg.name} has no {which!r} layer")
+    return MatmulShape(f"{_slug(cfg)} {which} M={tokens}", tokens, K, N)
+
+
+# ---------------------------------------------------------------------------------------- tiers
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One tier of the shapes table: a tuple of shapes per op family."""
+    name: str
+    matmul: tuple[MatmulShape, ...] = ()
+    mx_matmul: tuple[MatmulShape, ...] = ()
+    attention: tuple[AttentionShape, ...] = ()
+    decode: tuple[DecodeShape, ...] = ()
+    qkv: tuple[QKVShape, ...] = ()
+    mlp: tuple[MLPShape, ...] = ()
+    moe: tuple[MoEShape, ...] = ()
+    rmsnorm: tuple[RMSNormShape, ...] = ()
+
+    def of(self, family: str) -> tuple:
+        """The shapes of one op family: ``FAST.of("matmul")``."""
+        if family not in FAMILIES:
+            raise ValueError(f"shape family must be one of {', '.join(FAMILIES)}; got {family!r}")
+        return getattr(self, family)
+
+
+FAMILIES = tuple(f.name for f in fields(Tier) if f.name != "name")
+
+
+DECODE_TOKENS = (1, 8, 32, 64)   # decode-like GEMM row counts (batch x q_len)
+
+FAST = Tier(
+    "fast",
+    # Emulated cost grows with M*K*N: 2048^3 takes ~5-10 s on this machine, so FAST stops there.
+    matmul=(
+        MatmulShape("128x256x512", 128, 256, 512),
+        square(512),
+        square(2048),
+        linear_of(DEEPSEEK_V3, 8, "expert_up"),     # 8 x 7168 -> 2048 (decode, weight-bound)
+        linear_of(DEEPSEEK_V3, 64, "expert_up"),
+    ),
+    mx_matmul=(square(512), MatmulShape("256x1024x512", 256, 1024, 512)),
+    attention=(
+        AttentionShape("small causal", 1, 256, 256, 4, 1, 128, True),
+        AttentionShape("small non-causal d64", 1, 128, 384, 2, 2, 64, False),
+    ),
+    decode=(
+        DecodeShape("small gqa4", 2, 1, 512, 8, 2, 128, 16),
+        DecodeShape("small mha", 1, 1, 256, 2, 2, 64, 16),
+    ),
+    qkv=(QKVShape("small", 64, 512, 8, 2, 64), QKVShape("small T=1", 1, 512, 8, 2, 64)),
+    mlp=(MLPShape("small", 64, 512, 1024), MLPShape("small T=1", 1, 512, 1024)),
+    moe=(MoEShape("small", 32, 512, 256, 8, 2),),
+    rmsnorm=(RMSNormShape("small", 128, 1024), RMSNormShape("one row", 1, 4096)),
+)
+
+ODD = Tier(
+    "odd",
+    matmul=(
+        MatmulShape("1x128x128", 1, 128, 128),
+        MatmulShape("113x257x129", 113, 257, 129),
+        MatmulShape("1000x384x200", 1000, 384, 200),
+        MatmulShape("7x1000x513", 7, 1000, 513),
+    ),
+    mx_matmul=(MatmulShape("1x512x128", 1, 512, 128), MatmulShape("113x1024x200", 113, 1024, 200)),
+    attention=(
+        AttentionShape("S=1", 1, 1, 1, 2, 1, 128, True),
+        AttentionShape("S=113", 1, 113, 113, 4, 2, 64, True),
+        AttentionShape("Sq=100 Skv=1000", 1, 100, 1000, 2, 1, 128, False),
+        AttentionShape("S=1000 window 97", 1, 1000, 1000, 2, 2, 64, True, 97),
+    ),
+    decode=(
+        DecodeShape("empty cache", 2, 1, 0, 4, 1, 128, 16),
+        DecodeShape("L=1", 1, 1, 1, 4, 1, 128, 16),
+        DecodeShape("L=113", 3, 1, 113, 8, 2, 128, 16),
+        DecodeShape("L=1000 q_len=3", 1, 3, 1000, 4, 2, 64, 32),
+    ),
+    qkv=(QKVShape("T=113", 113, 384, 6, 2, 64), QKVShape("T=1000", 1000, 256, 4, 1, 64)),
+    mlp=(MLPShape("T=113", 113, 384, 1000), MLPShape("T=1 H=200", 1, 200, 300)),
+    moe=(MoEShape("T=1", 1, 256, 128, 8, 2), MoEShape("T=113", 113, 384, 200, 16, 4)),
+    rmsnorm=(RMSNormShape("T=113 H=1000", 113, 1000), RMSNormShape("T=1 H=127", 1, 127),
+             RMSNormShape("T=0", 0, 512)),
+)
+
+MODELS = Tier(
+    "models",
+    matmul=(
+        square(4096),
+        *(linear_of(LLAMA3_8B, m, "up") for m in DECODE_TOKENS),        # 4096 -> 14336
+        *(linear_of(DEEPSEEK_V3, m, "expert_up") for m in DECODE_TOKENS),  # 7168 -> 2048
+        linear_of(LLAMA3_70B_TP8, 128, "o"),                               # 1024 -> 8192
+        linear_of(QWEN3_30B_A3B, 64, "expert_down"),                       # 768 -> 2048
+    ),
+    mx_matmul=(square(4096), *(linear_of(DEEPSEEK_V3, m, "expert_up") for m in (1, 64, 256, 1024))),
+    attention=(
+        attention_of(LLAMA3_8B, 2048), attention_of(LLAMA3_8B, 8192),
+        attention_of(LLAMA3_70B_TP8, 8192), attention_of(GEMMA3_27B, 4096),
+        attention_of(GEMMA3_12B, 2048),
+    ),
+    decode=(
+        decode_of(LLAMA3_8B, 8192), decode_of(LLAMA3_8B, 2048, batch=8),
+        decode_of(LLAMA3_70B_TP8, 8192, batch=4), decode_of(QWEN3_30B_A3B, 4096, batch=4),
+        decode_of(QWEN3_235B_A22B, 4096, batch=4), decode_of(MIXTRAL_8X7B, 4096, batch=2),
+    ),
+    qkv=tuple(qkv_of(LLAMA3_8B, t) for t in (1, 8, 32, 128, 512, 2048))
+    + (qkv_of(LLAMA3_70B_TP8, 128), qkv_of(LLAMA3_70B_TP8, 512)),
+    mlp=tuple(mlp_of(LLAMA3_8B, t) for t in (1, 32, 128, 512)) + (mlp_of(LLAMA3_70B_TP8, 128),),
+    moe=tuple(moe_of(MIXTRAL_8X7B, t) for t in (1, 64, 256))
+    + tuple(moe_of(QWEN3_30B_A3B, t) for t in (1, 64, 256, 1024))
+    + (moe_of(QWEN3_235B_A22B, 256), moe_of(DEEPSEEK_V3, 1), moe_of(DEEPSEEK_V3, 256)),
+    rmsnorm=(rmsnorm_of(LLAMA3_8B, 2048), rmsnorm_of(LLAMA3_70B, 2048),
+             rmsnorm_of(DEEPSEEK_V3, 128), rmsnorm_of(GEMMA3_27B, 512)),
+)
+
+TIERS = {t.name: t for t in (FAST, ODD, MODELS)}
+
+
+def tier(name: str) -> Tier:
+    """Look up a tier by name (``fast``, ``odd``, ``models``)."""
+    key = str(name).lower()
+    if key not in TIERS:
+        raise ValueError(f"tier must be one of {', '.join(TIERS)}; got {name!r}")
+    return TIERS[key]
