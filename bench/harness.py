@@ -146,15 +146,13 @@ def make_row(case, target: str, source: str, res: dict | None, *, sha: str, date
         row["error"] = error or "no result"
         return row
     time_s = res["time_ns"] * 1e-9
-    engine_bound = None
     eng = res.get("binding_engine")
     if eng:
+        # reported beside the roof, never used as one: an engine's busy time measures how the
+        # kernel spends it, so counting it as a roof would reward wasted work
         row["model_bound"] = roofline.ENGINE_NAMES.get(eng, str(eng))
-        busy = res.get("engine_busy_ns", {}).get(eng)
-        if eng not in ("tensor", "dma") and busy:
-            engine_bound = (f"{row['model_bound']} (modeled work)", busy * 1e-9)
     pt = roofline.roof_point(case.flops, case.bytes, time_s, target, case.roof_kind, case.lnc,
-                             case.ceilings, engine_bound)
+                             case.ceilings)
     row.update(time_us=res["time_ns"] / 1e3, tflops=pt.tflops, gbps=pt.gbps,
                pct_roof=pt.pct_roof, roof=pt.roof, pct_tensor=pt.pct_tensor, pct_hbm=pt.pct_hbm,
                short=res["time_ns"] / 1e3 < SHORT_KERNEL_US)

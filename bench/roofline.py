@@ -102,13 +102,13 @@ class RoofPoint:
 
 
 def roof_point(flops: float, nbytes: float, time_s: float, target: str, kind: str = "bf16",
-               lnc: int = 1, ceilings=(), engine_bound: tuple[str, float] | None = None
-               ) -> RoofPoint:
+               lnc: int = 1, ceilings=()) -> RoofPoint:
     """Place a run of ``flops`` useful FLOPs and ``nbytes`` compulsory bytes taking ``time_s``.
 
     The binding roof is the largest lower bound on the time among: TensorE at ``kind`` peak,
-    the memory roof, each declared ``ceilings`` entry, and ``engine_bound`` = (engine name,
-    busy seconds) from the cost model when its binding engine is neither TensorE nor DMA.
+    the memory roof, and each declared ``ceilings`` entry (work the op must do on one engine
+    divided by that engine's documented rate, e.g. exps / ScalarE exp throughput). Roofs come from
+    the hardware and the op, never from how a kernel happens to use its engines.
     % of roof = that bound / time (100% = running at the roof).
     """
     if time_s <= 0:
@@ -117,8 +117,6 @@ def roof_point(flops: float, nbytes: float, time_s: float, target: str, kind: st
     bw = hbm_bw(target) * 1e9 * lnc
     bounds = [(f"TensorE {kind}", flops / peak), ("HBM", nbytes / bw)]
     bounds += [(c.name, c.seconds(target, lnc)) for c in ceilings]
-    if engine_bound is not None:
-        bounds.append(engine_bound)
     # ties go to the earlier entry (TensorE, then HBM): max() keeps the first maximum
     roof, roof_s = max(bounds, key=lambda b: b[1])
     tflops = flops / time_s / 1e12
