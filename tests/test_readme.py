@@ -8,7 +8,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _readme_block(title):
     text = (ROOT / "README.md").read_text()
     m = re.search(r"```bash\n(.*?)```", text[text.index(title):], re.S)
-    return [ln for ln in m.group(1).splitlines() if ln.strip() and not ln.startswith("#")]
+    cmds = [ln.split("#")[0].strip() for ln in m.group(1).splitlines()]
+    return [c for c in cmds if c]
 
 
 def test_ci_runs_the_readme_test_command():

@@ -28,7 +28,7 @@ from .trace import Trace, trace  # noqa: F401
 __version__ = "0.7.0+emulator"  # the NKI API generation it follows
 
 
-def estimate(kernel, *args, target="trn3", lnc=1, **kwargs):
+def estimate(kernel, *args, target="trn3", lnc=1, **kwargs):  # noqa: F811 (the kwarg)
     """Run ``kernel`` on the emulator and return the cost model's report (see ``cost``)."""
     from .cost import estimate as _estimate
     return _estimate(kernel, *args, target=target, lnc=lnc, **kwargs)

@@ -15,9 +15,27 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import runtime as _rt
-from .dtypes import (bfloat16, bool_, float4_e2m1fn_x4, float8_e4m3, float8_e4m3fn,  # noqa: F401
-                     float8_e4m3fn_x4, float8_e5m2, float8_e5m2_x4, float8_e8m0fnu, float16,
-                     float32, int8, int16, int32, int64, tfloat32, uint8, uint16, uint32)
+from .dtypes import (  # noqa: F401
+    bfloat16,
+    bool_,
+    float4_e2m1fn_x4,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e4m3fn_x4,
+    float8_e5m2,
+    float8_e5m2_x4,
+    float8_e8m0fnu,
+    float16,
+    float32,
+    int8,
+    int16,
+    int32,
+    int64,
+    tfloat32,
+    uint8,
+    uint16,
+    uint32,
+)
 from .errors import NkiValidationError
 from .ops import *  # noqa: F401,F403  (operator objects: nl.add, nl.exp, ...)
 from .runtime import MemoryRegion, hbm, private_hbm, psum, sbuf, shared_hbm  # noqa: F401
@@ -255,7 +273,7 @@ class _TileSize:
 tile_size = _TileSize()
 
 
-# ------------------------------------------------------------------------------------- data movement
+# ------------------------------------------------------------------------------------ data movement
 def load(src, dtype=None):
     """HBM -> a new SBUF tile (``dma_copy``)."""
     from . import isa

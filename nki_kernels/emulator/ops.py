@@ -160,7 +160,7 @@ right_shift = Op("right_shift", "bitvec", lambda a, b: (a.view(np.dtype(a.dtype.
     "i", "u"))) >> b.astype(np.dtype(a.dtype.str.replace("i", "u")))).view(a.dtype)
     if a.dtype.kind == "i" else np.right_shift(a, b))
 
-# ---------------------------------------------------------------------------- unary (ALU and/or activation)
+# -------------------------------------------------------------------- unary (ALU and/or activation)
 abs = Op("abs", "unary", lambda a, b: np.abs(a), act=_safe(np.abs))  # noqa: A001
 square = Op("square", "unary", lambda a, b: (a * a).astype(_F), act=_safe(np.square), gen=4)
 relu = Op("relu", "unary", lambda a, b: np.maximum(a, 0).astype(_F),

@@ -229,7 +229,7 @@ class OnChipAllocator:
             p0, hi, nbytes = rec
             self.usage[p0:hi] -= nbytes
         else:
-            for (b, lo, hi) in rec:
+            for (b, _, _) in rec:
                 self.bank_fill[b] = [t for t in self.bank_fill[b] if t[2] != sid]
 
 

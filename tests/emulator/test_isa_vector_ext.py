@@ -2,7 +2,9 @@
 import numpy as np
 import pytest
 
-from nki_kernels.emulator import NkiValidationError, isa as nisa, jit, language as nl, target
+from nki_kernels.emulator import NkiValidationError, jit, target
+from nki_kernels.emulator import isa as nisa
+from nki_kernels.emulator import language as nl
 from nki_kernels.emulator.isa import NkiHardwareWarning
 
 RC = nisa.reduce_cmd

@@ -9,9 +9,22 @@ import importlib
 
 from ..errors import NkiValidationError
 from . import constants  # noqa: F401  (nki.isa.constants must exist as a module)
-from ._common import (NkiHardwareWarning, NkiInstruction, dge_mode, dma_engine, engine,
-                      gpsimd_engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd,
-                      scalar_engine, tensor_engine, unknown_engine, vector_engine)
+from ._common import (
+    NkiHardwareWarning,
+    NkiInstruction,
+    dge_mode,
+    dma_engine,
+    engine,
+    gpsimd_engine,
+    matmul_perf_mode,
+    nc_version,
+    oob_mode,
+    reduce_cmd,
+    scalar_engine,
+    tensor_engine,
+    unknown_engine,
+    vector_engine,
+)
 
 # Every nki.isa instruction named in nki-spec §9 (SDK 2.32/2.33).
 SPEC_INSTRUCTIONS = [

@@ -182,7 +182,7 @@ def _merged_free_dims(t):
     if not dims:
         return 1
     k = 1
-    for (n1, s1), (n2, s2) in zip(dims, dims[1:]):
+    for (_, s1), (n2, s2) in zip(dims, dims[1:]):
         if s1 != n2 * s2:
             k += 1
     return k
@@ -295,7 +295,7 @@ def mask_view(t):
                       writeable=True)
 
 
-# ------------------------------------------------------------------------------------------ registers
+# ---------------------------------------------------------------------------------------- registers
 RC = reduce_cmd
 REDUCE_IDENTITY = {ops.add: 0.0, ops.subtract: 0.0, ops.multiply: 1.0, ops.maximum: -np.inf,
                    ops.minimum: np.inf, ops.abs_max: 0.0, ops.abs_min: np.inf}

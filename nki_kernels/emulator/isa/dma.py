@@ -27,7 +27,6 @@ def dma_copy(dst, src, priority=None, oob_mode=OOB.error, dge_mode=DGE.unknown,
              engine=ENG.unknown, name=None):
     """``dst = src`` over the row-major order of each view (HBM<->SBUF, HBM<->HBM, SBUF<->SBUF)."""
     I = "dma_copy"
-    g = gen()
     _dma_operand(I, "dst", dst)
     _dma_operand(I, "src", src)
     oob = as_enum(OOB, oob_mode, I, "oob_mode")

@@ -9,8 +9,15 @@ from .. import dtypes as dt
 from .. import runtime as rt
 from ..errors import fail
 from ..tensor import NkiTensor
-from ._common import (emit, need_gen, on_chip, psum_write_clear, same_shape_pf, start_partition,
-                      tensor)
+from ._common import (
+    emit,
+    need_gen,
+    on_chip,
+    psum_write_clear,
+    same_shape_pf,
+    start_partition,
+    tensor,
+)
 
 GPSIMD_CORE_PARTITIONS = 16   # each of the 8 GpSimd cores owns 16 consecutive partitions
 LOCAL_GATHER_MAX_INDICES = 4096

@@ -8,7 +8,7 @@ from .. import runtime as rt
 from ..errors import fail
 from ..scalars import NkiScalar, VirtualRegister, runtime_value
 from ..tensor import NkiTensor
-from ._common import emit, gen, nc_version, need_gen
+from ._common import emit, nc_version, need_gen
 
 
 def get_nc_version():

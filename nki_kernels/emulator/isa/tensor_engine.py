@@ -8,9 +8,18 @@ import numpy as np
 from .. import dtypes as dt
 from .. import runtime as rt
 from ..errors import fail
+from ._common import (
+    NkiHardwareWarning,
+    as_enum,
+    emit,
+    gen,
+    mask_view,
+    matmul_perf_mode,
+    need_gen,
+    on_chip,
+    tensor,
+)
 from ._common import engine as Engine
-from ._common import (NkiHardwareWarning, as_enum, emit, gen, mask_view, matmul_perf_mode,
-                      need_gen, on_chip, tensor)
 
 _MM_IN = {"float8_e4m3", "float8_e5m2", "bfloat16", "float16", "tfloat32", "float32"}
 _FP8 = {"float8_e4m3", "float8_e5m2", "float8_e4m3fn"}

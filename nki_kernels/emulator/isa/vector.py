@@ -9,8 +9,21 @@ from .. import dtypes as dt
 from .. import ops
 from .. import runtime as rt
 from ..errors import fail
-from ._common import (alu_op, apply_alu, as_enum, emit, gen, need_gen, not_both_psum, on_chip,
-                      psum_write_clear, reduce_rows, same_shape_pf, scalar_or_vector, tensor)
+from ._common import (
+    alu_op,
+    apply_alu,
+    as_enum,
+    emit,
+    gen,
+    need_gen,
+    not_both_psum,
+    on_chip,
+    psum_write_clear,
+    reduce_rows,
+    same_shape_pf,
+    scalar_or_vector,
+    tensor,
+)
 from ._common import engine as ENG
 from ._common import reduce_cmd as RC
 
@@ -235,7 +248,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     return emit("vector", I, [("data", data)], [("dst", dst)], {"op": op.name, "reduced": red}, name)
 
 
-# ------------------------------------------------------------------------------- memset / reciprocal
+# ------------------------------------------------------------------------------ memset / reciprocal
 def memset(dst, value, engine=ENG.unknown, name=None):
     """Fill ``dst`` with a compile-time constant (VectorE or GpSimd)."""
     I = "memset"
