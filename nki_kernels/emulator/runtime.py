@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import sys
 import threading
 import weakref
 
@@ -92,7 +93,7 @@ class Storage:
     """
 
     __slots__ = ("id", "buffer", "raw", "nbytes", "partitions", "row_bytes", "name", "core",
-                 "p0", "addr", "mm_written", "dtype", "__weakref__")
+                 "p0", "addr", "mm_written", "dtype", "site", "retired", "__weakref__")
 
     def __init__(self, buffer, nbytes, dtype, name="", partitions=1, row_bytes=None, core=None):
         self.id = next(_alloc_ids)
@@ -107,6 +108,8 @@ class Storage:
         self.addr = 0          # byte offset within a partition (on-chip) after placement
         self.mm_written = None
         self.dtype = dtype
+        self.site = None       # allocating statement (kernel call stack), on-chip only
+        self.retired = False   # space handed to a later allocation by the same statement
 
     def __repr__(self):
         return f"<{self.buffer.name} alloc #{self.id} {self.name!r} {self.nbytes} B>"
@@ -135,15 +138,29 @@ class OnChipAllocator:
             self.bank_fill = [[] for _ in range(gen.psum_num_banks)]  # list of (lo, hi, id) per bank
             self.peak = 0
         self.live = {}
+        self.sites = {}   # id -> (allocating statement, weakref to Storage)
 
     def allocate(self, st: Storage, address):
+        st.site = _call_site()
         if self.region is sbuf:
             self._alloc_sbuf(st, address)
         else:
             self._alloc_psum(st, address)
+        self.sites[st.id] = (st.site, weakref.ref(st))
         weakref.finalize(st, self.release, st.id)
 
-    def _alloc_sbuf(self, st, address):
+    def _retire_site(self, site):
+        """Out of space while the statement that allocates ``site`` runs again (a later loop
+        iteration, its previous tile still bound to the loop's variable): the compiler gives each
+        iteration the same buffer, so retire the earlier tiles; using one later is an error."""
+        old = [(sid, ref()) for sid, (s, ref) in self.sites.items() if s == site]
+        old = [(sid, st) for sid, st in old if st is not None]
+        for sid, st in old:
+            st.retired = True
+            self.release(sid)
+        return bool(old)
+
+    def _alloc_sbuf(self, st, address, retry=True):
         p0 = 0
         if address is not None:
             p0, st.addr = int(address[0]), int(address[1])
@@ -160,6 +177,8 @@ class OnChipAllocator:
         if address is None:
             new = self.usage[p0:hi] + st.row_bytes
             if new.max(initial=0) > self.capacity:
+                if retry and self._retire_site(st.site):
+                    return self._alloc_sbuf(st, address, retry=False)
                 raise NkiValidationError(
                     f"nl.ndarray: SBUF capacity exceeded on {self.gen.name}: allocating "
                     f"{st.name or 'a tensor'} of {st.row_bytes} bytes per partition needs "
@@ -172,7 +191,7 @@ class OnChipAllocator:
         else:
             self.live[st.id] = (p0, hi, 0)  # pinned: the kernel owns the placement
 
-    def _alloc_psum(self, st, address):
+    def _alloc_psum(self, st, address, retry=True):
         bank = self.gen.psum_bank_bytes
         nb = self.gen.psum_num_banks
         size = st.row_bytes
@@ -210,6 +229,8 @@ class OnChipAllocator:
                     self.live[st.id] = [(b, lo, lo + size)]
                     self._peak()
                     return
+        if retry and self._retire_site(st.site):
+            return self._alloc_psum(st, address, retry=False)
         used = sum(z - a for fill in self.bank_fill for (a, z, _) in fill)
         raise NkiValidationError(
             f"nl.ndarray: PSUM capacity exceeded on {self.gen.name}: no room for {st.name or 'a tile'} "
@@ -222,6 +243,7 @@ class OnChipAllocator:
         self.peak = max(self.peak, used)
 
     def release(self, sid):
+        self.sites.pop(sid, None)
         rec = self.live.pop(sid, None)
         if rec is None:
             return
@@ -231,6 +253,20 @@ class OnChipAllocator:
         else:
             for (b, _, _) in rec:
                 self.bank_fill[b] = [t for t in self.bank_fill[b] if t[2] != sid]
+
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _call_site():
+    """The allocating call: (code, bytecode offset) of every kernel-side frame on the stack."""
+    site = []
+    f = sys._getframe(2)
+    while f is not None:
+        if not f.f_code.co_filename.startswith(_PKG_DIR):
+            site.append((f.f_code, f.f_lasti))
+        f = f.f_back
+    return tuple(site)
 
 
 class Core:

@@ -441,7 +441,10 @@ class NkiTensor:
                 elif not is_runtime(scalar_offset) and not isinstance(scalar_offset, int):
                     raise TypeError(f"{where}: scalar_offset must be a (1,1) SBUF int tensor, a "
                                     f"register or an NkiScalar; got {type(scalar_offset).__name__}")
-                dyn = (_Dyn(scalar_offset, m, extent, 1),)
+                # bound: r plus the count of the pattern dim that walks the indexed dim, as for
+                # nl.ds(r, n): A.ap([[512, 128], [1, 256]], scalar_offset=r) needs r + 128 <= 512
+                rows = next((c for s, c in pattern if s == m), 1)
+                dyn = (_Dyn(scalar_offset, m, extent, rows),)
             else:
                 if self.on_chip:
                     raise NkiValidationError(f"{where}: vector_offset is only valid on HBM tensors "
@@ -490,6 +493,12 @@ class NkiTensor:
         return off
 
     def _flat(self):
+        if self.storage.retired:
+            raise NkiValidationError(
+                f"{self.name or 'a tile'!r} ({self.buffer.name}) is used after its space was "
+                f"reused: the statement that allocated it ran again (a later loop iteration) "
+                f"while it was live, and both did not fit ({self.buffer.name} capacity exceeded); "
+                f"keep fewer tiles live or allocate it once outside the loop")
         raw = self.storage.raw
         return raw.view(self.dtype.np) if self.dtype.np.itemsize > 1 else (
             raw if raw.dtype == self.dtype.np else raw.view(self.dtype.np))

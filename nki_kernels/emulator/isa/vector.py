@@ -70,7 +70,7 @@ def tensor_tensor(dst, data1, data2, op, engine=ENG.unknown, name=None):
     elif e is ENG.gpsimd and all_int32 and op.kind != "cmp" and op is not ops.power:
         a = data1.read_pf().astype(np.int64)
         b = data2.read_pf().astype(np.int64)
-        dst.write_pf(_int_alu(op, a, b))
+        dst.write_pf(_int_alu(op, a, b, dst.dtype))
     else:
         dst.write_pf(apply_alu(op, data1.read_f32(), data2.read_f32()))
     psum_write_clear(dst)
@@ -91,15 +91,15 @@ def _bitvec(op, a, b, out_dtype, reverse=False):
     return np.asarray(r).astype(a.dtype).astype(out_dtype.np)
 
 
-def _int_alu(op, a, b):
-    """GpSimd native integer path: exact int math, results wrap to 32 bits."""
+def _int_alu(op, a, b, out_dtype):
+    """GpSimd native integer path: exact int math, results wrap to 32 bits (of ``out_dtype``)."""
     table = {ops.add: np.add, ops.subtract: np.subtract, ops.multiply: np.multiply,
              ops.maximum: np.maximum, ops.minimum: np.minimum}
     fn = table.get(op)
     if fn is None:
         return op.alu(a.astype(np.float32), b.astype(np.float32))
-    r = fn(a, b)
-    return ((r + 2**31) % 2**32) - 2**31
+    r = fn(a, b) % 2**32
+    return r if out_dtype is dt.uint32 else ((r + 2**31) % 2**32) - 2**31
 
 
 # ------------------------------------------------------------------------------- tensor_scalar
