@@ -140,7 +140,8 @@ def run_kernel(kernel: Kernel, args, kwargs):
                                  f"{gen.name}")
     launch = rt.Launch(gen, lnc, kernel.fn.__name__, grid=kernel.grid is not None)
     for tr in rt._tracers:
-        tr.launches.append({"kernel": kernel.fn.__name__, "target": gen.name, "lnc": lnc})
+        tr.launches.append({"kernel": kernel.fn.__name__, "target": gen.name, "lnc": lnc,
+                            "first_instruction": len(tr.instructions)})
     sig = inspect.signature(kernel.fn)
     try:
         bound = sig.bind(*args, **kwargs)

@@ -140,8 +140,11 @@ def operand(role, t) -> Operand:
 def record(engine, opcode, reads, writes, attrs=None, name=None):
     """Append an instruction to every open trace. ``reads``/``writes``: [(role, tensor)]."""
     core = rt.maybe_core()
+    # an indirect DMA also reads its index tile (the gather waits for the index load)
+    extra = [("index", t._vec.source) for _, t in list(reads) + list(writes)
+             if t is not None and getattr(t, "_vec", None) is not None]
     ins = Instruction(0, core.program_id if core else 0, engine, opcode,
-                      [operand(r, t) for r, t in reads if t is not None],
+                      [operand(r, t) for r, t in list(reads) + extra if t is not None],
                       [operand(r, t) for r, t in writes if t is not None], attrs or {}, name)
     for tr in rt._tracers:
         ins.seq = len(tr.instructions)

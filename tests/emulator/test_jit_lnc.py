@@ -483,7 +483,7 @@ def test_trace_records_engine_opcode_operands():
     assert len(empty) == 0
     assert [(i.engine, i.opcode) for i in t] == [("dma", "dma_copy"), ("scalar", "activation"),
                                                  ("tensor", "nc_matmul"), ("dma", "dma_copy")]
-    assert t.launches == [{"kernel": "k", "target": "trn3", "lnc": 1}]
+    assert t.launches == [{"kernel": "k", "target": "trn3", "lnc": 1, "first_instruction": 0}]
     dma_in, act, mm, dma_out = t.instructions
     assert [i.seq for i in t.instructions] == [0, 1, 2, 3]
     (src,), (dst,) = dma_in.reads, dma_in.writes
