@@ -25,10 +25,12 @@ DECODE_M_MAX = 64  # M <= 64: weight-stationary orientation (see MatmulPlan.deco
 class MatmulPlan:
     """Tile choices for one call (all sizes in elements).
 
-    decode: M <= 64 puts B tiles in the stationary slot and A^T (M columns) in the moving slot:
-      each 128x128 weight tile then costs the 64-cycle MM floor instead of 512 cycles, which
-      keeps TensorE well under the time the weights take to stream from HBM.
-    nb: columns of B kept resident per block (B block = K x nb, reused by every row tile of A).
+    decode (M <= 64): B tiles take the stationary slot and A^T (M columns) the moving slot, so each
+      128x128 weight tile costs the 64-cycle MM floor instead of 512 cycles and TensorE stays well
+      under the time the weights take to stream from HBM. B streams in [128, nb] chunks (4 KiB
+      DMA rows in bf16) that are used once.
+    prefill: a block of nb columns of B stays resident (all of K) and every 128-row tile of A
+      passes over it; nb <= 2048 keeps the block's accumulators in 4 PSUM banks.
     double_row: FP8 inputs on gen3+, contraction 256 per instruction.
     """
 
@@ -46,18 +48,22 @@ class MatmulPlan:
     def sbuf_bytes(self) -> int:
         """Per-partition SBUF the kernel keeps live at its peak.
 
-        The B block is counted twice: the next block is allocated (and its DMA overlaps compute)
-        while the current one is still in use, i.e. double buffering."""
-        b_block = 2 * self.kt * self.nb * self.in_bytes
+        Resident blocks are counted twice: the next one is allocated (and its DMA overlaps
+        compute) while the current one is still in use, i.e. double buffering."""
         if self.decode:
-            aT = self.kt * max(self.M, 1) * self.in_bytes
-            a_rows = self.K * self.in_bytes if self.M else 0
-            out = 2 * self.nb * self.out_bytes + 2 * TN * 4
-            return b_block + aT + a_rows + out
-        aT = 2 * self.kt * P * self.in_bytes           # double-buffered across row tiles
-        a_chunk = 2 * A_CHUNK * max(self.in_bytes, 2)  # staging (fp8 converts via bf16)
+            aT = self.kt * self.M * self.in_bytes
+            a_rows = min(self.K, A_CHUNK) * max(self.in_bytes, 2) * 2
+            b_chunks = B_CHUNKS_LIVE * 2 * self.nb * self.in_bytes
+            out = 2 * (self.nb * self.out_bytes + (self.nb // P) * self.M * 4)
+            return aT + a_rows + b_chunks + out
+        b_block = 2 * self.kt * self.nb * self.in_bytes
+        aT = 2 * self.kt * P * self.in_bytes           # current and prefetched row tile
+        a_rows = 3 * self.K * max(self.in_bytes, 2)    # staged rows run two tiles ahead
         out = 2 * self.nb * self.out_bytes
-        return b_block + aT + a_chunk + out
+        return b_block + aT + a_rows + out
+
+
+B_CHUNKS_LIVE = 3  # decode: B chunks in flight (DMA of the next ones overlaps use of this one)
 
 
 def plan_matmul(M, K, N, in_bytes, out_bytes, double_row, sbuf_budget) -> MatmulPlan:
@@ -65,8 +71,8 @@ def plan_matmul(M, K, N, in_bytes, out_bytes, double_row, sbuf_budget) -> Matmul
     if double_row and kt % 2:
         kt += 1
     decode = M <= DECODE_M_MAX
-    # Largest resident B block that fits; 2048 columns give 4 KiB DMA rows in bf16 (97% DMA
-    # efficiency) and amortise the A transposes over 4 PSUM banks of output.
+    # Widest block that fits: 2048 columns give 4 KiB DMA rows in bf16 (97% DMA efficiency),
+    # amortise the A transposes over 4 PSUM banks of output, and keep 4 accumulators in PSUM.
     for nb in (2048, 1024, 512, 256, 128):
         nb = min(nb, -(-N // 128) * 128)
         p = MatmulPlan(M, K, N, decode, nb, kt, double_row, in_bytes, out_bytes)
@@ -119,40 +125,64 @@ def matmul_kernel(a, b, out_dtype, nb, decode, double_row):
     pid = nl.program_id(axis=0) if nl.program_ndim() else 0
 
     if decode:
-        aT = _load_a_transposed(a, 0, M, KT, tdt, ident, double_row)   # [128, KT, M]
+        aT = _load_a_transposed(a, 0, M, KT, tdt, ident, double_row)       # [128, KT, M]
+        for i, n0 in enumerate(range(0, N, nb)):
+            if i % programs == pid:                     # LNC=2: blocks alternate between cores
+                _decode_block(c, aT, b, n0, min(nb, N - n0), M, KT, K, double_row, perf,
+                              out_dtype)
+        return c
+
+    m_tiles = [m0 for i, m0 in enumerate(range(0, M, P)) if i % programs == pid]
+    rows_of = lambda i: _load_a_rows(a, m_tiles[i], min(P, M - m_tiles[i]), tdt)  # noqa: E731
+    tr_of = lambda i, r: _transpose_rows(r, min(P, M - m_tiles[i]), KT, K, a.dtype, tdt,  # noqa
+                                         ident, double_row)
     for n0 in range(0, N, nb):
         nbb = min(nb, N - n0)
-        if decode and (n0 // nb) % programs != pid:
-            continue                                    # LNC=2: the other core's block
-        b_sb = _load_b_block(b, n0, nbb, KT, K, double_row)            # [128, KT, nbb]
-        if decode:
-            _decode_block(c, aT, b_sb, n0, nbb, M, KT, K, step, perf, out_dtype)
-            continue
-        for i, m0 in enumerate(range(0, M, P)):
-            if i % programs != pid:
-                continue
+        NT = -(-nbb // TN)
+        if not m_tiles:
+            break
+        # A rows of the first two tiles are requested before the B block (their DMAs are not
+        # queued behind it); rows run two tiles ahead, transposes one tile ahead of the matmuls
+        rows = {0: rows_of(0)}
+        if len(m_tiles) > 1:
+            rows[1] = rows_of(1)
+        aT = tr_of(0, rows.pop(0))                                         # [128, KT, mm]
+        b_sb = _load_b_block(b, n0, nbb, KT, K, double_row)                # [128, KT, nbb]
+        acc = nl.ndarray((P, NT, TN), dtype=nl.float32, buffer=nl.psum)  # NT banks [128, NT, 512]
+        for i, m0 in enumerate(m_tiles):
             mm = min(P, M - m0)
-            aT = _load_a_transposed(a, m0, mm, KT, tdt, ident, double_row)  # [128, KT, mm]
-            out_sb = nl.ndarray((mm, nbb), dtype=out_dtype, buffer=nl.sbuf)  # [mm, nbb]
-            for j, n1 in enumerate(range(0, nbb, TN)):
-                nn = min(TN, nbb - n1)
-                acc = nl.ndarray((mm, nn), dtype=nl.float32, buffer=nl.psum)  # [mm, nn]
-                for kt in range(0, KT, step):
-                    kk = P if double_row else min(P, K - kt * P)
+            # prefetch: the next tile's transposes go ahead of this tile's matmuls, so TensorE
+            # never waits for their copy back to SBUF
+            nxt = tr_of(i + 1, rows.pop(i + 1)) if i + 1 < len(m_tiles) else None
+            if i + 2 < len(m_tiles):
+                rows[i + 2] = rows_of(i + 2)
+            # k-outer over the block's accumulators: the first matmuls need only the first
+            # contraction tile of B, so compute follows B's arrival
+            for kt in range(0, KT, step):
+                kk = P if double_row else min(P, K - kt * P)
+                if double_row:
+                    stat = aT[:, kt:kt + 2, 0:mm]                        # [128, 2, mm]
+                else:
+                    stat = aT[0:kk, kt, 0:mm]                            # [kk, mm]
+                for j in range(NT):
+                    n1 = j * TN
+                    nn = min(TN, nbb - n1)
                     if double_row:
-                        stat = aT[:, kt:kt + 2, 0:mm]                    # [128, 2, mm]
                         mov = b_sb[:, kt:kt + 2, n1:n1 + nn]             # [128, 2, nn]
                     else:
-                        stat = aT[0:kk, kt, 0:mm]                        # [kk, mm]
                         mov = b_sb[0:kk, kt, n1:n1 + nn]                 # [kk, nn]
-                    nisa.nc_matmul(dst=acc, stationary=stat, moving=mov,
+                    nisa.nc_matmul(dst=acc[0:mm, j, 0:nn], stationary=stat, moving=mov,
                                    accumulate=(kt > 0), perf_mode=perf)
+            out_sb = nl.ndarray((mm, nbb), dtype=out_dtype, buffer=nl.sbuf)  # [mm, nbb]
+            for j in range(NT):
+                n1 = j * TN
+                nn = min(TN, nbb - n1)
                 # evict PSUM -> SBUF with the output cast; alternate engines to balance load
-                eng = nisa.engine.vector if j % 2 == 0 else nisa.engine.scalar
-                if nisa.get_nc_version() < 3:
-                    eng = nisa.engine.vector
-                nisa.tensor_copy(dst=out_sb[:, n1:n1 + nn], src=acc, engine=eng)
+                eng = nisa.engine.vector if j % 2 == 0 or nisa.get_nc_version() < 3 \
+                    else nisa.engine.scalar
+                nisa.tensor_copy(dst=out_sb[:, n1:n1 + nn], src=acc[0:mm, j, 0:nn], engine=eng)
             nisa.dma_copy(dst=c[m0:m0 + mm, n0:n0 + nbb], src=out_sb)
+            aT = nxt
     return c
 
 
@@ -170,13 +200,10 @@ def _load_b_block(b, n0, nbb, KT, K, double_row):
     return b_sb
 
 
-def _load_a_transposed(a, m0, mm, KT, tdt, ident, double_row):
-    """Rows A[m0:m0+mm, :] -> aT [128, KT, mm] (contraction on partitions) via TensorE transposes."""
+def _load_a_rows(a, m0, mm, tdt):
+    """DMA rows A[m0:m0+mm, :] into SBUF staging chunks [mm, <=2048] (fp8 converted to bf16)."""
     K = a.shape[1]
-    aT = nl.ndarray((P, KT, mm), dtype=a.dtype, buffer=nl.sbuf)
-    if double_row and K < KT * P:
-        k_full = K // P
-        nisa.memset(dst=aT[:, k_full:KT, :], value=0.0)
+    chunks = []
     for c0 in range(0, K, A_CHUNK):
         cw = min(A_CHUNK, K - c0)
         a_sb = nl.ndarray((mm, cw), dtype=a.dtype, buffer=nl.sbuf)    # [mm, cw]
@@ -184,8 +211,18 @@ def _load_a_transposed(a, m0, mm, KT, tdt, ident, double_row):
         if tdt != a.dtype:
             a_t = nl.ndarray((mm, cw), dtype=tdt, buffer=nl.sbuf)     # fp8 -> bf16 (exact)
             nisa.tensor_copy(dst=a_t, src=a_sb)
-        else:
-            a_t = a_sb
+            a_sb = a_t
+        chunks.append((c0, cw, a_sb))
+    return chunks
+
+
+def _transpose_rows(chunks, mm, KT, K, dtype, tdt, ident, double_row):
+    """Staged A rows -> aT [128, KT, mm] (contraction on partitions) via TensorE transposes."""
+    aT = nl.ndarray((P, KT, mm), dtype=dtype, buffer=nl.sbuf)
+    if double_row and K < KT * P:
+        k_full = K // P
+        nisa.memset(dst=aT[:, k_full:KT, :], value=0.0)
+    for c0, cw, a_t in chunks:
         # four 128-column blocks per PSUM tile, then one copy back to SBUF
         for g0 in range(0, cw, 4 * P):
             gw = min(4 * P, cw - g0)
@@ -205,28 +242,60 @@ def _load_a_transposed(a, m0, mm, KT, tdt, ident, double_row):
     return aT
 
 
-def _decode_block(c, aT, b_sb, n0, nbb, M, KT, K, step, perf, out_dtype):
-    """Weight-stationary: psum[n, m] = B_tile.T @ A^T, then transpose to [m, n]."""
-    out_sb = nl.ndarray((M, nbb), dtype=out_dtype, buffer=nl.sbuf)        # [M, nbb]
-    ident_f = nl.shared_identity_matrix(P, dtype=nl.float32)
-    for n1 in range(0, nbb, P):
-        nn = min(P, nbb - n1)
-        acc = nl.ndarray((nn, M), dtype=nl.float32, buffer=nl.psum)       # [nn, M]
-        for kt in range(0, KT, step):
-            if step == 2:
-                stat = b_sb[:, kt:kt + 2, n1:n1 + nn]                      # [128, 2, nn]
-                mov = aT[:, kt:kt + 2, 0:M]                                # [128, 2, M]
+def _load_a_transposed(a, m0, mm, KT, tdt, ident, double_row):
+    """Rows A[m0:m0+mm, :] -> aT [128, KT, mm]."""
+    return _transpose_rows(_load_a_rows(a, m0, mm, tdt), mm, KT, a.shape[1], a.dtype, tdt, ident,
+                           double_row)
+
+
+def _decode_block(c, aT, b, n0, nbb, M, KT, K, double_row, perf, out_dtype):
+    """Weight-stationary: psum[n, m] = sum_k B[k, n].T @ A^T[k, m], then transpose to [m, n].
+
+    B streams through SBUF in [128, nbb] chunks (one per contraction tile, used once); each chunk
+    feeds the weight-stationary matmuls of all its 128-column tiles."""
+    NT = -(-nbb // P)
+    step = 2 if double_row else 1
+    acc = nl.ndarray((P, NT, M), dtype=nl.float32, buffer=nl.psum)      # [128 n, NT, M]
+    for kt in range(0, KT, step):
+        b_t = nl.ndarray((P, step, nbb), dtype=b.dtype, buffer=nl.sbuf)  # [128, step, nbb]
+        for r in range(step):
+            kk = min(P, K - (kt + r) * P)
+            if kk < P:
+                nisa.memset(dst=b_t[max(kk, 0):P, r, :], value=0.0)      # contraction padding
+            if kk > 0:
+                k0 = (kt + r) * P
+                nisa.dma_copy(dst=b_t[0:kk, r, :], src=b[k0:k0 + kk, n0:n0 + nbb])
+        kk = P if double_row else min(P, K - kt * P)
+        for j in range(NT):
+            n1 = j * P
+            nn = min(P, nbb - n1)
+            if double_row:
+                stat = b_t[:, :, n1:n1 + nn]                                # [128, 2, nn]
+                mov = aT[:, kt:kt + 2, 0:M]                                 # [128, 2, M]
             else:
-                kk = min(P, K - kt * P)
-                stat = b_sb[0:kk, kt, n1:n1 + nn]                          # [kk, nn]
-                mov = aT[0:kk, kt, 0:M]                                    # [kk, M]
-            nisa.nc_matmul(dst=acc, stationary=stat, moving=mov, accumulate=(kt > 0),
-                           perf_mode=perf)
-        cT = nl.ndarray((nn, M), dtype=nl.float32, buffer=nl.sbuf)        # [nn, M]
-        nisa.tensor_copy(dst=cT, src=acc)
-        tp = nl.ndarray((M, nn), dtype=nl.float32, buffer=nl.psum)        # [M, nn]
-        nisa.nc_matmul(dst=tp, stationary=cT, moving=ident_f[0:nn, 0:nn], is_transpose=True)
-        nisa.tensor_copy(dst=out_sb[:, n1:n1 + nn], src=tp)
+                stat = b_t[0:kk, 0, n1:n1 + nn]                             # [kk, nn]
+                mov = aT[0:kk, kt, 0:M]                                     # [kk, M]
+            nisa.nc_matmul(dst=acc[0:nn, j, :], stationary=stat, moving=mov,
+                           accumulate=(kt > 0), perf_mode=perf)
+    # [n, m] -> [m, n]: one PSUM->SBUF copy, then TensorE transposes four 128-column tiles per bank
+    cT = nl.ndarray((P, NT, M), dtype=nl.float32, buffer=nl.sbuf)         # [128 n, NT, M]
+    nisa.tensor_copy(dst=cT, src=acc)
+    ident_f = nl.shared_identity_matrix(P, dtype=nl.float32)
+    out_sb = nl.ndarray((M, nbb), dtype=out_dtype, buffer=nl.sbuf)        # [M, nbb]
+    for g in range(0, NT, 4):
+        gw = min(4, NT - g)
+        tp = nl.ndarray((M, 4, P), dtype=nl.float32, buffer=nl.psum)      # [M, 4, 128]
+        for j in range(g, g + gw):
+            nn = min(P, nbb - j * P)
+            nisa.nc_matmul(dst=tp[:, j - g, 0:nn], stationary=cT[0:nn, j, :],
+                           moving=ident_f[0:nn, 0:nn], is_transpose=True)
+        w = min(gw * P, nbb - g * P)
+        if w == gw * P:
+            nisa.tensor_copy(dst=out_sb[:, g * P:g * P + w], src=tp[:, 0:gw, :])
+        else:
+            for j in range(g, g + gw):
+                nn = min(P, nbb - j * P)
+                nisa.tensor_copy(dst=out_sb[:, j * P:j * P + nn], src=tp[:, j - g, 0:nn])
     nisa.dma_copy(dst=c[0:M, n0:n0 + nbb], src=out_sb)
 
 
