@@ -1,3 +1,12 @@
-"""nki-kernels: hand-tiled NKI kernels for LLM inference on AWS Trainium (Trn2, Trn3)."""
+"""nki-kernels: hand-tiled NKI kernels for LLM inference on AWS Trainium (Trn2, Trn3).
+
+Every op takes NumPy arrays (or CPU torch tensors on the emulator; device tensors on a trn
+instance), validates its arguments, picks its kernel variant, and runs it on the backend chosen by
+``nki_kernels.backend``.
+"""
+from .matmul import matmul
+from .mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
+from .rmsnorm_quant import rmsnorm_quant
+
 __version__ = "0.1.0"
-__all__ = []
+__all__ = ["matmul", "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "MXTensor"]

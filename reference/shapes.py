@@ -381,7 +381,8 @@ MODELS = Tier(
         linear_of(LLAMA3_70B_TP8, 128, "o"),                               # 1024 -> 8192
         linear_of(QWEN3_30B_A3B, 64, "expert_down"),                       # 768 -> 2048
     ),
-    mx_matmul=(square(4096), *(linear_of(DEEPSEEK_V3, m, "expert_up") for m in (1, 64, 256, 1024))),
+    mx_matmul=(square(4096),
+               *(linear_of(DEEPSEEK_V3, m, "expert_up") for m in (1, 16, 64, 256, 1024))),
     attention=(
         attention_of(LLAMA3_8B, 2048), attention_of(LLAMA3_8B, 8192),
         attention_of(LLAMA3_70B_TP8, 8192), attention_of(GEMMA3_27B, 4096),
@@ -399,7 +400,8 @@ MODELS = Tier(
     + tuple(moe_of(QWEN3_30B_A3B, t) for t in (1, 64, 256, 1024))
     + (moe_of(QWEN3_235B_A22B, 256), moe_of(DEEPSEEK_V3, 1), moe_of(DEEPSEEK_V3, 256)),
     rmsnorm=(rmsnorm_of(LLAMA3_8B, 2048), rmsnorm_of(LLAMA3_70B, 2048),
-             rmsnorm_of(DEEPSEEK_V3, 128), rmsnorm_of(GEMMA3_27B, 512)),
+             rmsnorm_of(LLAMA3_70B, 32768), rmsnorm_of(DEEPSEEK_V3, 128),
+             rmsnorm_of(GEMMA3_27B, 512)),
 )
 
 TIERS = {t.name: t for t in (FAST, ODD, MODELS)}
