@@ -606,6 +606,9 @@ class _Costs:
             contig = min(o.contig_bytes for o in ops_all)
         contig = max(1, contig)
         hbm = hbm_r + hbm_w
+        # dma_compute reads every source through the queues: each is a full transfer's work
+        passes = max(1, sum(1 for o in reads if o.role != "index")) \
+            if ins.opcode == "dma_compute" else 1
         nq, ppq = cp.dma_queues, cp.dma_partitions_per_queue
         bw, bmin, bfix = cp.dma_bw_q, cp.dma_b_min, cp.dma_b_fix
         segs = []
@@ -616,7 +619,7 @@ class _Costs:
             d = max(1.0, min(contig, bpp))
             nd = max(1, math.ceil(bpp / d - 1e-9))
             db = bpp / nd
-            work_pp = nd * (max(db, bmin) + bfix) / bw / eff
+            work_pp = passes * nd * (max(db, bmin) + bfix) / bw / eff
             for k in range(p0 // ppq, (p0 + P - 1) // ppq + 1):
                 c = min(p0 + P, (k + 1) * ppq) - max(p0, k * ppq)
                 if c > 0:
@@ -627,7 +630,7 @@ class _Costs:
             d = max(1.0, min(contig, per))
             nd = max(1, math.ceil(per / d - 1e-9))
             db = per / nd
-            work = nd * (max(db, bmin) + bfix) / bw / eff
+            work = passes * nd * (max(db, bmin) + bfix) / bw / eff
             segs = [(k, work, hbm / nq) for k in range(nq)]
             n_desc = nd * nq
         it.segs = segs

@@ -97,7 +97,8 @@ def _scale_bytes(t, rows):
 
 def _scale_factors(b):
     """2**(b - 127) in fp32; byte 0xFF -> NaN (spec silent for uint8: we follow e8m0)."""
-    f = np.ldexp(np.float32(1.0), b.astype(np.int32) - 127).astype(np.float32)
+    with np.errstate(over="ignore"):
+        f = np.ldexp(np.float32(1.0), b.astype(np.int32) - 127).astype(np.float32)
     return np.where(b == 0xFF, np.float32(np.nan), f).astype(np.float32)
 
 

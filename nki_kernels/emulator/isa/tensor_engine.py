@@ -154,7 +154,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     if double:
         s = s.reshape(K * 2, M)   # rows (k, r): [K, 2, M] flattened per partition
         m = m.reshape(K * 2, N)
-    result = s.T @ m
+    with np.errstate(invalid="ignore", over="ignore"):   # inf/NaN inputs propagate, as on HW
+        result = s.T @ m
     _accumulate(I, dst, result, accumulate)
     return emit("tensor", "nc_matmul", [("stationary", stationary), ("moving", moving)],
                 [("dst", dst)], {"K": K * (2 if double else 1), "M": M, "N": N,
