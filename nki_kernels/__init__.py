@@ -6,7 +6,10 @@ instance), validates its arguments, picks its kernel variant, and runs it on the
 """
 from .matmul import matmul
 from .mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
+from .qkv_proj import QKVOutput, qkv_proj
 from .rmsnorm_quant import rmsnorm_quant
+from .swiglu_mlp import swiglu_mlp
 
 __version__ = "0.1.0"
-__all__ = ["matmul", "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "MXTensor"]
+__all__ = ["matmul", "qkv_proj", "QKVOutput", "swiglu_mlp", "rmsnorm_quant", "mxfp8_matmul",
+           "quantize_weights_mx", "MXTensor"]

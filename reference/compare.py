@@ -113,3 +113,40 @@ def cosine_similarity(a, b) -> float:
     if na == 0 and nb == 0:
         return 1.0
     return float(a @ b / (na * nb)) if na and nb else 0.0
+
+
+# Fused dense ops (qkv_proj, swiglu_mlp). Inside these kernels the GEMM operands and the
+# intermediates are rounded to bf16: the normalised activations, their product with the norm
+# weight, the projection before QK-norm / RoPE (or the SwiGLU intermediate h), and the output.
+# Up to four independent roundings of relative size u, so the RMS error of an output row is
+# about sqrt(4/3) u (measured 1.0-1.5 u over random inputs and all QKV / MLP variants) and
+# single elements reach ~3.2 u relative to |e| + rms(row). assert_matmul_close does not fit
+# (it assumes exact GEMM inputs) and assert_close is per element only (no notion of the row
+# scale an error is relative to). Bounds: 2x the measured worst case.
+ROW_NORM_TOL = 3.0
+ROW_ELEM_TOL = 6.0
+
+
+def assert_rows_close(actual, expected, axis=-1, norm_tol=ROW_NORM_TOL, elem_tol=ROW_ELEM_TOL,
+                      dtype=None, what="result"):
+    """Row-wise rule for fused GEMM ops with rounded intermediates (u = output unit roundoff):
+
+    * per row (the vectors along ``axis``): rms(a - e) <= norm_tol * u * rms(e);
+    * per element: |a - e| <= elem_tol * u * (|e| + rms(row of e)).
+    NaN and inf positions must match; rows of an exact zero reference must be zero.
+    """
+    u = UNIT_ROUNDOFF[dtype or dtype_name(actual)]
+    a, e, fin = _nonfinite_match(actual, expected, what)
+    a = np.where(fin, a, 0.0)
+    e = np.where(fin, e, 0.0)
+    rms = np.sqrt(np.mean(e * e, axis=axis, keepdims=True))
+    err = np.abs(a - e)
+    rerr = np.sqrt(np.mean(err * err, axis=axis, keepdims=True))
+    bad = rerr > norm_tol * u * rms + 1e-30
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(bad, rerr / np.maximum(rms, 1e-30), 0)), rerr.shape)
+        raise AssertionError(f"{what}: {int(bad.sum())} rows with rms error above {norm_tol} u x "
+                             f"rms(row); worst row {list(i)}: rms error {rerr[i]:.3e}, rms "
+                             f"{rms[i]:.3e}")
+    bound = elem_tol * u * (np.abs(e) + rms) + 1e-30
+    _report(what, err, bound, a, e)

@@ -393,9 +393,10 @@ MODELS = Tier(
         decode_of(LLAMA3_70B_TP8, 8192, batch=4), decode_of(QWEN3_30B_A3B, 4096, batch=4),
         decode_of(QWEN3_235B_A22B, 4096, batch=4), decode_of(MIXTRAL_8X7B, 4096, batch=2),
     ),
-    qkv=tuple(qkv_of(LLAMA3_8B, t) for t in (1, 8, 32, 128, 512, 2048))
-    + (qkv_of(LLAMA3_70B_TP8, 128), qkv_of(LLAMA3_70B_TP8, 512)),
-    mlp=tuple(mlp_of(LLAMA3_8B, t) for t in (1, 32, 128, 512)) + (mlp_of(LLAMA3_70B_TP8, 128),),
+    qkv=tuple(qkv_of(LLAMA3_8B, t) for t in (1, 8, 32, 128, 512, 2048, 8192))
+    + tuple(qkv_of(LLAMA3_70B_TP8, t) for t in (1, 8, 32, 128, 512, 2048, 8192)),
+    mlp=tuple(mlp_of(LLAMA3_8B, t) for t in (1, 8, 32, 128, 512, 2048, 8192))
+    + tuple(mlp_of(LLAMA3_70B_TP8, t) for t in (1, 8, 32, 128, 2048, 8192)),
     moe=tuple(moe_of(MIXTRAL_8X7B, t) for t in (1, 64, 256))
     + tuple(moe_of(QWEN3_30B_A3B, t) for t in (1, 64, 256, 1024))
     + (moe_of(QWEN3_235B_A22B, 256), moe_of(DEEPSEEK_V3, 1), moe_of(DEEPSEEK_V3, 256)),

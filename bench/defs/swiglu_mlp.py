@@ -1,0 +1,54 @@
+"""Bench definition of the SwiGLU MLP: x + (silu(xn @ W_gate) * (xn @ W_up)) @ W_down.
+
+Shapes: ``reference.shapes`` tier ``.mlp`` (FAST: small; MODELS: Llama-3-8B and Llama-3-70B at
+TP8, decode to prefill). Each shape runs with bf16 weights (roof: bf16 TensorE peak) and, in
+the MODELS tier, with FP8 e4m3 weights and per-channel scales (double_row; roof: FP8 peak),
+RMSNorm in front and the residual behind. FLOPs and bytes from ``reference.swiglu_mlp``.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from nki_kernels.bench.defs import BenchCase, register
+from nki_kernels.reference import shapes
+from nki_kernels.reference.swiglu_mlp import bytes_swiglu_mlp, flops_swiglu_mlp, quantize_fp8_per_channel
+from nki_kernels.swiglu_mlp import swiglu_mlp
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def mlp_case(s: shapes.MLPShape, dtype: str = "bf16") -> BenchCase:
+    T, H, I = s.tokens, s.hidden, s.intermediate
+    fp8 = dtype == "fp8"
+
+    def make_inputs(rng):
+        x = rng.standard_normal((T, H), dtype=np.float32).astype(BF16)             # [T, H]
+        g = rng.uniform(0.5, 1.5, H).astype(np.float32)                             # [H]
+        ws = [rng.standard_normal(sh, dtype=np.float32) * sh[0] ** -0.5
+              for sh in ((H, I), (H, I), (I, H))]                                   # gate, up, down
+        if not fp8:
+            return (x, g, *[w.astype(BF16) for w in ws])
+        q = [quantize_fp8_per_channel(w, ml_dtypes.float8_e4m3) for w in ws]
+        return (x, g, *[a for a, _ in q], *[sc for _, sc in q])
+
+    def run(x, g, wg, wu, wd, *scales):
+        kw = {}
+        if scales:
+            kw = dict(gate_scale=scales[0], up_scale=scales[1], down_scale=scales[2])
+        return swiglu_mlp(x, wg, wu, wd, norm_weight=g, residual=x, **kw)
+
+    return BenchCase(
+        op="swiglu_mlp", shape=s.name, dims={"T": T, "H": H, "I": I}, dtype=dtype,
+        make_inputs=make_inputs, run=run, flops=flops_swiglu_mlp(T, H, I),
+        bytes=bytes_swiglu_mlp(T, H, I, 1 if fp8 else 2, residual=True),
+        roof_kind="fp8" if fp8 else "bf16")
+
+
+@register("swiglu_mlp")
+def cases(tier: str, target: str):
+    for s in shapes.tier(tier).mlp:
+        yield mlp_case(s, "bf16")
+    if tier == "models":
+        for s in shapes.tier(tier).mlp:
+            yield mlp_case(s, "fp8")

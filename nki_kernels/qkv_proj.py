@@ -1,0 +1,850 @@
+"""Fused QKV projection: ``q, k, v = rope(qk_norm(split(rmsnorm(x + residual) @ W_qkv + b)))``.
+
+One kernel for prefill and decode (see docs/dense.md): weight-stationary GEMM passes with the
+output features on partitions (``_dense.gemm_pass``), then an epilogue that transposes the
+results to "lanes" (one output row of ``head_dim`` elements per partition) where the per-head
+RMSNorm (Qwen3 QK-norm) and RoPE are free-dim operations.
+
+Output layouts (what the attention kernels read; ``AttentionShape`` in reference/shapes.py is
+``[batch, heads, seq, head_dim]`` and these are the batch-1 slices):
+
+* ``q [n_q_heads, T, head_dim]``, ``v [n_kv_heads, T, head_dim]``;
+* ``k [n_kv_heads, T, head_dim]`` (``k_layout="heads"``) or ``[n_kv_heads, head_dim, T]``
+  (``k_layout="transposed"``: the contraction of ``q @ k.T`` already on the partition axis);
+* with ``residual``: also ``h = x + residual [T, H]``, the new residual stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _dense as D
+from ._dense import P, cdiv
+from .backend import launch, nisa, nki, nl
+
+DECODE_T_MAX = 128   # T < 128 tokens: one block, (head, token) lanes; see QKVPlan
+NCOLS_MAX = 4096     # weight columns per pass: 8 KiB bf16 rows per k-tile in SBUF
+HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class QKVPlan:
+    """Tile choices for one call.
+
+    tb_max: tokens per block (<= 512; less when SBUF is short: hidden 8192 on Trn2). T <= 512
+      is one block and the weights stream from HBM exactly once (the decode regime for
+      T < 128, and up to one PSUM bank of tokens). Larger T is cut into balanced blocks of
+      <= 512 tokens, and the weights stream once per block: at 512 tokens per block the weight
+      traffic needs 217/512 = 42% (Trn2) and 149/512 = 29% (Trn3) of the TensorE time, so
+      prefill stays TensorE-bound.
+    decode: T < 128: x loaded packed over all DMA queues, the norm's sum of squares taken from
+      the transposes (off the critical path), (head, token) pair lanes in the epilogue.
+    nf_max: feature tiles (of 128) per GEMM pass: as many accumulators of [128, Tp] fp32 as
+      PSUM holds (8 at 512 tokens, 32 at 128, all of N at decode sizes). The weight rows of a
+      pass are read in runs of nf_max*128 elements (2 KiB at 512 tokens).
+    kb: weight k-tiles per DMA (about 8 KiB per partition per transfer).
+    kc, ts_max: the k-chunked nest for narrow projections (N <= 2048, T > 512, e.g. Llama-3-70B
+      at TP8: N = 1280). There the passes above would read 1280 B weight runs (2 passes of 5
+      tiles) at 51% DMA efficiency and stream W per 512 tokens: DMA-bound on Trn2. Instead W
+      streams once per super-block of ts_max = 1024 tokens, kc k-tiles at a time in one
+      contiguous run per partition, and the partial sums of the chunks add up in SBUF (one
+      VectorE add per output element and chunk: 1/kc of the TensorE work).
+    """
+
+    T: int
+    H: int
+    N: int
+    tb_max: int
+    nf_max: int
+    kb: int
+    decode: bool
+    sbuf_bytes: int
+    kc: int = 0
+    ts_max: int = 0
+
+
+KC_TS = 1024         # tokens per super-block of the k-chunked nest
+KC_GROUP = 256       # tokens per PSUM accumulation group of the k-chunked nest
+
+
+def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX) -> QKVPlan:
+    """Largest token block (multiple of 64, <= tb_max) whose SBUF fits; the k-chunked nest for
+    narrow N at prefill sizes."""
+    d = head_dim
+    N = (n_q + 2 * n_kv) * d
+    KT = cdiv(H, P)
+    nt = len(D.feature_tiles([(0, n_q * d, 0), (n_q * d, (n_q + n_kv) * d, 1),
+                              ((n_q + n_kv) * d, N, 2)]))
+    if T > D.TB_MAX and H % P == 0 and N <= 2048 and nt * KC_GROUP * 4 <= D.PSUM_BYTES:
+        ts = max(b for _, b in D.token_blocks(T, KC_TS))
+        for kc in (16, 8, 4, 2, 1):
+            if KT % kc:
+                continue
+            # SBUF fp32 accumulators, xT of a chunk, two W chunks in flight, pre-pass rows,
+            # two evicted groups waiting for the epilogue, epilogue temporaries and staging
+            sb = (nt * ts * 4 + kc * ts * 2 + 2 * kc * N * 2 + H * 2 * 2 + 4096
+                  + 2 * nt * 512 * 2 + 4 * 1024 * 4 + 2 * 8 * 4 * d * 2 + 4 * nt + 2048)
+            if sb <= sbuf_budget:
+                return QKVPlan(T, H, N, D.TB_MAX, nt, 1, False, sb, kc, KC_TS)
+    sb = None
+    for tbm in range(tb_max, 63, -64):
+        tb = max(b for _, b in D.token_blocks(T, tbm))
+        nf = D.max_tiles_per_pass(tb, 1)
+        if head_dim == 256:
+            nf -= nf % 2
+        nf = min(nf, NCOLS_MAX // P, cdiv(N, P))
+        ncols = nf * P
+        kb = D.k_tiles_per_dma(ncols, 2, H)
+        # per-partition SBUF at the peak: xT of this block, rows of the next one (+ one sub-tile
+        # of scratch), the weight ring (3 transfers in flight), the evicted pass and the one
+        # waiting for its epilogue, epilogue staging and temporaries (fp32 [128, 1024] x 4).
+        R = max(1, tb // P)
+        sb = (KT * tb * 2 + H * 2 * (cdiv(tb, P) + 1) + 3 * kb * ncols * 2 + 2 * nf * tb * 2
+              + 4 * 1024 * 4 + 2 * 8 * R * head_dim * 2 + 4 * (KT + cdiv(N, P)) + 2 * 1024)
+        if sb <= sbuf_budget:
+            return QKVPlan(T, H, N, tbm, nf, kb, T < DECODE_T_MAX, sb)
+    raise ValueError(f"qkv_proj: hidden={H} needs {sb} bytes of SBUF per partition even at 64 "
+                     f"tokens per block; {sbuf_budget} available")
+
+
+# ------------------------------------------------------------------------------------ kernel
+@nki.jit
+def qkv_proj_kernel(x, w, bias, residual, norm_w, q_norm_w, k_norm_w, cos, sin,
+                    n_q, n_kv, d, eps, qk_eps, rot, interleaved, k_transposed,
+                    tb_max, nf_max, kb, kc=0, ts_max=0):
+    """``[q | k | v] = rmsnorm(x + residual) @ W + b``, QK-norm and RoPE, split into heads.
+
+    Dimensions:
+      T >= 1 tokens; H >= 1 hidden; d = head_dim in {64, 128, 256};
+      N = (n_q + 2 n_kv) * d; rot = rotary dims (even, <= d; 0 = no RoPE).
+    Args:
+      x: [T, H] bf16 HBM.  w: [H, N] bf16 HBM.  bias: [N] fp32 HBM or None.
+      residual: [T, H] bf16 HBM or None (fused add; the sum is also returned).
+      norm_w: [H] fp32 HBM or None (no RMSNorm in front).
+      q_norm_w, k_norm_w: [d] fp32 HBM or None (per-head RMSNorm of q and k, eps qk_eps).
+      cos, sin: [T, rot/2] fp32 HBM (one angle per rotated pair) or None.
+      interleaved: pairs (2i, 2i+1) (GPT-J) instead of (i, i + rot/2) (Llama / NeoX).
+      k_transposed: k as [n_kv, d, T] instead of [n_kv, T, d].
+      tb_max, nf_max, kb, kc, ts_max: from QKVPlan (kc > 0: the k-chunked nest for narrow N).
+    Returns:
+      q [n_q, T, d], k [n_kv, T, d] or [n_kv, d, T], v [n_kv, T, d] (bf16, shared HBM),
+      and h [T, H] when residual is given.
+    Notes:
+      fp32 accumulation; the normalised activations and the projection are rounded to bf16
+      before the epilogue (QK-norm and RoPE run in fp32 from there).
+    Pseudocode:
+      for t0 in token blocks (<= 512):
+        xT[h, t] = gamma[h] * rmsnorm(x + r)[t, h]          # rows on partitions, PE transposes
+        for pass in column passes (nf tiles of 128 features):
+          acc[f, t] = sum_k W[k, cols_f].T @ xT[k, t]       # weight-stationary, PSUM fp32
+          hT[f, t] = bf16(acc + bias)
+          epilogue(previous pass): lanes = transpose(hT)    # [tokens | (head, token), d]
+            q, k: qk_norm, rope along the free dim -> staging -> DMA
+    """
+    T, H = x.shape
+    N = w.shape[1]
+    KT = cdiv(H, P)
+    bf16 = nl.bfloat16
+    q_out = nl.ndarray((n_q, T, d), dtype=bf16, buffer=nl.shared_hbm)
+    k_shape = (n_kv, d, T) if k_transposed else (n_kv, T, d)
+    k_out = nl.ndarray(k_shape, dtype=bf16, buffer=nl.shared_hbm)
+    v_out = nl.ndarray((n_kv, T, d), dtype=bf16, buffer=nl.shared_hbm)
+    h_out = None
+    if residual is not None:
+        h_out = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    outs = (q_out, k_out, v_out)
+
+    segs = [(0, n_q * d, 0), (n_q * d, (n_q + n_kv) * d, 1), ((n_q + n_kv) * d, N, 2)]
+    tiles = D.feature_tiles(segs)
+    passes = D.group_passes(tiles, nf_max, 2 if d == 256 else 1)
+    first = None
+    if not kc:   # the head of the weight stream goes out before any other load
+        i0, i1 = passes[0]
+        first = D.prefetch_weights([w], H, kb, tiles[i0][0], sum(t[1] for t in tiles[i0:i1]))
+    ident = D.identity(bf16)
+    ident_f = D.identity(nl.float32)
+    gamma_T = D.load_col_vector(norm_w, H, nl.float32, ident=ident_f) if norm_w is not None \
+        else None
+    bias_T = D.load_tile_vector(bias, tiles, ident=ident_f) if bias is not None else None
+    qk_g = [None, None, None]
+    if q_norm_w is not None:
+        qk_g[0] = D.load_row_broadcast(q_norm_w, P, nl.float32)           # [128, d]
+        qk_g[1] = D.load_row_broadcast(k_norm_w, P, nl.float32)           # [128, d]
+    ctx = _Ctx(outs, tiles, d, rot, interleaved, k_transposed, cos, sin, qk_g, qk_eps, ident, T)
+
+    if kc:
+        _kchunk_nest(x, w, residual, h_out, norm_w, eps, tiles, bias_T, ctx, kc, ts_max)
+        if residual is not None:
+            return q_out, k_out, v_out, h_out
+        return q_out, k_out, v_out
+    blocks = D.token_blocks(T, tb_max)
+    norm = norm_w is not None
+    # decode: the norm's sum of squares runs on the transposes (norm_rows), beside the GEMM
+    late_norm = norm and T < DECODE_T_MAX
+    sq = nl.ndarray((P, KT, T), dtype=bf16, buffer=nl.sbuf) if late_norm else None  # [128, KT, T]
+    r = D.pack_factor(T, H) if T < DECODE_T_MAX else 1
+    if r > 1:
+        xT = D.x_packed_transposed(x, T, r, residual, h_out, gamma_T, ident, sq)  # [128, KT, T]
+    else:
+        rows = D.x_rows_normalised(x, blocks[0][0], blocks[0][1], residual, h_out,
+                                   norm and not late_norm, eps)
+        xT = D.x_transposed(rows, blocks[0][1], H, gamma_T, ident, squares=sq)  # [128, KT, tb]
+        del rows
+    rrow = D.norm_rows(sq, H, T, eps) if late_norm else None                  # [128, T]
+    pending = None
+    ev = 0
+    for bi, (t0, tb) in enumerate(blocks):
+        last = bi + 1 == len(blocks)
+        if not last:   # next block's loads and norm overlap this block's GEMM
+            rows = D.x_rows_normalised(x, blocks[bi + 1][0], blocks[bi + 1][1], residual, h_out,
+                                       norm, eps)
+        Tp = D.acc_free(tb)
+        blk = ctx.block(t0, tb)
+        for pi, (i0, i1) in enumerate(passes):
+            widths = [tiles[i][1] for i in range(i0, i1)]
+            acc = D.gemm_pass([w], xT, H, tb, Tp, widths, tiles[i0][0], kb, first=first)[0]
+            first = None
+            hT = nl.ndarray((P, i1 - i0, tb), dtype=bf16, buffer=nl.sbuf)  # [128, nf, tb]
+            ev = _evict_pass(hT, acc, tiles, i0, i1, tb, bias_T, ev, rrow)
+            del acc
+            if pi + 1 == len(passes) and not last:
+                # the next block's transposes and their evictions go ahead of the pending
+                # epilogue, so its VectorE work does not delay the next GEMM
+                del xT
+                xT = D.x_transposed(rows, blocks[bi + 1][1], H, gamma_T, ident)
+                del rows
+            if pending is not None:
+                ctx.epilogue(*pending)
+            pending = (blk, hT, i0, i1)
+        if last:
+            del xT
+    ctx.epilogue(*pending)
+    if residual is not None:
+        return q_out, k_out, v_out, h_out
+    return q_out, k_out, v_out
+
+
+def _kchunk_nest(x, w, residual, h_out, norm_w, eps, tiles, bias_T, ctx, kc, ts_max):
+    """Narrow projections (N <= 2048: all feature tiles of 256 tokens fit PSUM) with many
+    tokens: stream W once per super-block of ts_max tokens instead of once per 512.
+
+    Per k-chunk of kc k-tiles: W rows in the layout "partition p holds rows k0*128 + p*kc + j"
+    (one contiguous run of kc*N elements per partition), the matching columns of h = x (+ r)
+    times gamma, transposed (k-tile j = columns p*kc + j); for each group of 256 tokens all
+    feature tiles accumulate the chunk in PSUM and the chunks add up in SBUF fp32. The RMSNorm
+    scale is per token, so it is applied once at the end (a [128, tokens] row tile): the
+    sum-of-squares pre-pass runs beside the GEMM instead of in front of it.
+    Pseudocode:
+      for s0 in super-blocks (1024 tokens):
+        rstd[t] = rsqrt(mean(h[t]^2) + eps)                    # ScalarE, off the critical path
+        for k0 in chunks: for g in groups of 256:
+          acc_sb[f, g] += W[chunk, f].T @ (gamma * h)T[chunk, g]
+        epilogue(bf16(acc_sb * rstd + bias)) per 512 tokens (behind the next super-block)
+    """
+    T, H = x.shape
+    N = w.shape[1]
+    KT = H // P
+    nt = len(tiles)
+    ident = ctx.ident
+    norm = norm_w is not None
+    chunks = list(range(0, KT, kc))
+    pending = []
+    ev = 0
+    nch = len(chunks)
+    for s0, tsb in D.token_blocks(T, ts_max):
+        subs = [(r0, min(P, tsb - r0)) for r0 in range(0, tsb, P)]
+        # per sub-tile and chunk: partial sums of squares of h (ScalarE, beside the GEMM)
+        ssq = [nl.ndarray((ts, nch), dtype=nl.float32, buffer=nl.sbuf) for _, ts in subs] \
+            if norm else None                                                   # [ts, nch] each
+        acc_sb = nl.ndarray((P, nt, tsb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nt, tsb]
+        xT_next = _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, 0, kc, ident, ssq, 0)
+        scale = None
+        for ci, k0 in enumerate(chunks):
+            last = ci + 1 == nch
+            w_sb = nl.ndarray((P, kc, N), dtype=w.dtype, buffer=nl.sbuf)      # [128, kc, N]
+            nisa.dma_copy(dst=w_sb, src=w[k0 * P:(k0 + kc) * P, :].reshape_dim(0, (P, kc)))
+            xT = xT_next
+            if not last:   # the next chunk's transposes go ahead of this GEMM
+                xT_next = _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, chunks[ci + 1], kc,
+                                       ident, ssq, ci + 1)
+            elif norm:     # all partial sums of squares are on their way: rstd as a row tile
+                scale = _rstd_rows(ssq, subs, tsb, H, eps)                        # [128, tsb]
+            for g0 in range(0, tsb, KC_GROUP):
+                gn = min(KC_GROUP, tsb - g0)
+                ps = nl.ndarray((P, nt, KC_GROUP), dtype=nl.float32, buffer=nl.psum)  # [128, nt, 256]
+                for j in range(kc):
+                    for f, (c0, nn, _) in enumerate(tiles):
+                        nisa.nc_matmul(dst=ps[0:nn, f, 0:gn], stationary=w_sb[:, j, c0:c0 + nn],
+                                       moving=xT[:, j, g0:g0 + gn], accumulate=(j > 0))
+                acc = acc_sb[:, :, g0:g0 + gn]
+                if ci == 0:
+                    nisa.tensor_copy(dst=acc, src=ps[:, :, 0:gn], engine=nisa.engine.scalar)
+                else:
+                    nisa.tensor_tensor(dst=acc, data1=ps[:, :, 0:gn], data2=acc, op=nl.add)
+                del ps
+                if last:   # finish this group now; its epilogue runs behind the next group
+                    hT = nl.ndarray((P, nt, gn), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, nt, gn]
+                    if scale is not None:
+                        dst = hT if bias_T is None else acc
+                        nisa.tensor_tensor(dst=dst, data1=acc, op=nl.multiply,
+                                           data2=scale[:, g0:g0 + gn].expand_dim(1).broadcast(1, nt),
+                                           engine=nisa.engine.gpsimd)   # SBUF only: off VectorE
+                    if scale is None or bias_T is not None:
+                        ev = _evict_pass(hT, acc, tiles, 0, nt, gn, bias_T, ev)
+                    for args in pending:
+                        ctx.epilogue(*args)
+                    pending = [(ctx.block(s0 + g0, gn), hT, 0, nt)]
+            del xT, w_sb
+            if ci == 0 and pending and nch > 1:   # the previous super-block's last epilogue
+                for args in pending:
+                    ctx.epilogue(*args)
+                pending = []
+    for args in pending:
+        ctx.epilogue(*args)
+
+
+def _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, k0, kc, ident, ssq, ci):
+    """Columns [k0*128, (k0+kc)*128) of h = x (+ residual, also written to h_out) for the
+    super-block's tokens -> xT [128, kc, tsb] with xT[p, j, t] = gamma * h[t, k0*128 + p*kc + j]
+    (ScalarE evictions, the gamma column of each k-tile as the per-partition scale), and the
+    partial sums of squares of these columns into ssq[sub-tile][:, ci]."""
+    tsb = subs[-1][0] + subs[-1][1]
+    c0, c1 = k0 * P, (k0 + kc) * P
+    xT = nl.ndarray((P, kc, tsb), dtype=nl.bfloat16, buffer=nl.sbuf)          # [128, kc, tsb]
+    g_T = None
+    if norm_w is not None:
+        g_T = nl.ndarray((P, kc), dtype=nl.float32, buffer=nl.sbuf)           # [128, kc]
+        nisa.dma_copy(dst=g_T, src=norm_w[c0:c1].reshape((P, kc)))
+    for r0, ts in subs:
+        t0 = s0 + r0
+        xc = nl.ndarray((ts, kc * P), dtype=x.dtype, buffer=nl.sbuf)          # [ts, kc*128]
+        nisa.dma_copy(dst=xc, src=x[t0:t0 + ts, c0:c1])
+        if residual is not None:
+            rc = nl.ndarray((ts, kc * P), dtype=residual.dtype, buffer=nl.sbuf)  # [ts, kc*128]
+            nisa.dma_copy(dst=rc, src=residual[t0:t0 + ts, c0:c1])
+            nisa.tensor_tensor(dst=xc, data1=xc, data2=rc, op=nl.add)
+            nisa.dma_copy(dst=h_out[t0:t0 + ts, c0:c1], src=xc)
+        if ssq is not None:
+            sq = nl.ndarray((ts, kc * P), dtype=nl.bfloat16, buffer=nl.sbuf)  # [ts, kc*128] discarded
+            nisa.activation(dst=sq, op=nl.square, data=xc, reduce_op=nl.add,
+                            reduce_res=ssq[r0 // P][:, ci:ci + 1],
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        tp = nl.ndarray((P, kc, ts), dtype=nl.bfloat16, buffer=nl.psum)      # [128, kc, ts]
+        for j in range(kc):
+            nisa.nc_matmul(dst=tp[:, j, :], stationary=xc[:, j:j + kc * (P - 1) + 1:kc],
+                           moving=ident[0:ts, 0:ts], is_transpose=True)
+        for j in range(kc):
+            if g_T is not None:
+                nisa.activation(dst=xT[:, j, r0:r0 + ts], op=nl.copy, data=tp[:, j, :],
+                                scale=g_T[:, j:j + 1])
+            else:
+                nisa.tensor_copy(dst=xT[:, j, r0:r0 + ts], src=tp[:, j, :],
+                                 engine=nisa.engine.scalar)
+    return xT
+
+
+def _rstd_rows(ssq, subs, tsb, H, eps):
+    """Partial sums of squares [ts, chunks] per sub-tile -> rsqrt(sum / H + eps) as a row tile
+    [128, tsb] (the per-token scale along the free dim of the feature-major accumulators)."""
+    rstd = []
+    for (_, ts), q in zip(subs, ssq):
+        ss = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)              # [ts, 1]
+        nisa.tensor_reduce(dst=ss, op=nl.add, data=q, axis=1)
+        r = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)               # [ts, 1]
+        nisa.activation(dst=r, op=nl.rsqrt, data=ss, scale=1.0 / H, bias=float(eps))
+        rstd.append(r)
+    return _row_broadcast(rstd, subs, tsb)
+
+
+def _row_broadcast(cols, subs, tsb):
+    """Per-token columns [ts, 1] (one per sub-tile) -> [128, tsb] fp32, every partition the
+    same row: PE transposes into one row, then ones[1, 128].T @ row."""
+    f32 = nl.float32
+    ident_f = D.identity(f32)  # once per super-block: two GpSimd instructions
+    row = nl.ndarray((1, tsb), dtype=f32, buffer=nl.sbuf)                     # [1, tsb]
+    for (r0, ts), c in zip(subs, cols):
+        tp = nl.ndarray((1, ts), dtype=f32, buffer=nl.psum)                   # [1, ts]
+        nisa.nc_matmul(dst=tp, stationary=c, moving=ident_f[0:ts, 0:ts], is_transpose=True)
+        nisa.tensor_copy(dst=row[:, r0:r0 + ts], src=tp)
+    ones = nl.ndarray((1, P), dtype=f32, buffer=nl.sbuf)                      # [1, 128]
+    nisa.memset(dst=ones, value=1.0)
+    out = nl.ndarray((P, tsb), dtype=f32, buffer=nl.sbuf)                     # [128, tsb]
+    for g0 in range(0, tsb, 512):
+        gn = min(512, tsb - g0)
+        ps = nl.ndarray((P, gn), dtype=f32, buffer=nl.psum)                   # [128, gn]
+        nisa.nc_matmul(dst=ps, stationary=ones, moving=row[:, g0:g0 + gn])
+        nisa.tensor_copy(dst=out[:, g0:g0 + gn], src=ps)
+    return out
+
+
+def _evict_pass(hT, acc, tiles, i0, i1, tb, bias_T, ev, rrow=None):
+    """PSUM accumulators -> bf16 SBUF (+ bias, a per-partition scalar in this layout).
+
+    Without bias: runs of up to 4 equal-width tiles per instruction; with bias: one instruction
+    per tile. Alternates VectorE and ScalarE (different PSUM banks run in parallel).
+    rrow [128, tb]: per-token RMSNorm scale (decode), multiplied in first (VectorE)."""
+    if rrow is not None:
+        nf = i1 - i0
+        tmp = nl.ndarray((P, nf, tb), dtype=nl.float32, buffer=nl.sbuf)        # [128, nf, tb]
+        nisa.tensor_tensor(dst=tmp, data1=acc[:, :, 0:tb], data2=rrow.expand_dim(1).broadcast(1, nf),
+                           op=nl.multiply)
+        acc = tmp
+    f = i0
+    while f < i1:
+        nn = tiles[f][1]
+        g = f
+        while g < i1 and tiles[g][1] == nn and g - f < 4:
+            g += 1
+        a, b = f - i0, g - i0
+        if bias_T is None:
+            eng = nisa.engine.vector if ev % 2 == 0 else nisa.engine.scalar
+            nisa.tensor_copy(dst=hT[0:nn, a:b, 0:tb], src=acc[0:nn, a:b, 0:tb], engine=eng)
+            ev += 1
+        else:
+            for j in range(a, b):
+                bcol = bias_T[0:nn, i0 + j:i0 + j + 1]                           # [nn, 1]
+                if ev % 2 == 0:
+                    nisa.tensor_scalar(dst=hT[0:nn, j, 0:tb], data=acc[0:nn, j, 0:tb],
+                                       op0=nl.add, operand0=bcol)
+                else:
+                    nisa.activation(dst=hT[0:nn, j, 0:tb], op=nl.copy, data=acc[0:nn, j, 0:tb],
+                                    bias=bcol)
+                ev += 1
+        f = g
+    return ev
+
+
+class _Ctx:
+    """Epilogue state of one launch: output tensors, tile list, RoPE / QK-norm parameters."""
+
+    def __init__(self, outs, tiles, d, rot, interleaved, k_transposed, cos, sin, qk_g, qk_eps,
+                 ident, T):
+        self.outs = outs
+        self.tiles = tiles
+        self.d = d
+        self.rot = rot
+        self.h2 = rot // 2
+        self.interleaved = interleaved
+        self.k_transposed = k_transposed
+        self.cos, self.sin = cos, sin
+        self.qk_g = qk_g
+        self.qk_eps = qk_eps
+        self.ident = ident
+        self.T = T
+        self.ev = 0
+
+    # ------------------------------------------------------------------ block-level tables
+    def block(self, t0, tb):
+        """Lane layout of a token block: R tokens per partition on 128 partitions (token lanes:
+        partition p, slot j <-> token t0 + R*p + j) for the first 128*R tokens, and the
+        remaining r < 128 tokens as (unit, token) pair lanes. RoPE tables for both."""
+        R = tb // P
+        r = tb - R * P
+        blk = {"t0": t0, "tb": tb, "R": R, "r": r, "tab": None, "ptab": {}}
+        if self.rot and R:
+            h2 = self.h2
+            tab = nl.ndarray((P, 2, R, h2), dtype=nl.float32, buffer=nl.sbuf)  # [128, cos|sin, R, h2]
+            for i, src in enumerate((self.cos, self.sin)):
+                nisa.dma_copy(dst=tab[:, i, :, :],
+                              src=src[t0:t0 + P * R, :].reshape_dim(0, (P, R)))
+            blk["tab"] = tab
+        return blk
+
+    def pair_table(self, blk, g):
+        """RoPE table of pair lanes: lane (u, t) <- token t0 + 128R + t, for g units."""
+        key = g
+        if key not in blk["ptab"]:
+            r, h2 = blk["r"], self.h2
+            lo = blk["t0"] + blk["R"] * P
+            tab = nl.ndarray((g * r, 2, h2), dtype=nl.float32, buffer=nl.sbuf)   # [g*r, 2, h2]
+            for i, src in enumerate((self.cos, self.sin)):
+                s = src[lo:lo + r, :].reshape((1, r, h2)).broadcast(0, g)
+                nisa.dma_copy(dst=tab[:, i, :], src=s)
+            blk["ptab"][key] = tab
+        return blk["ptab"][key]
+
+    # ------------------------------------------------------------------ epilogue of one pass
+    def epilogue(self, blk, hT, i0, i1):
+        """Transposes of the pass's feature tiles into lanes, QK-norm / RoPE, output DMAs."""
+        f = i0
+        while f < i1:
+            kind = self.tiles[f][2]
+            g = f
+            while g < i1 and self.tiles[g][2] == kind:
+                g += 1
+            if blk["R"]:
+                self._token_lanes(blk, hT, i0, f, g, kind)
+            if blk["r"]:
+                self._pair_lanes(blk, hT, i0, f, g, kind)
+            f = g
+
+    def _head_range(self, f, g):
+        """Global head offset within its kind and head count of tiles [f, g)."""
+        d = self.d
+        c0 = self.tiles[f][0]
+        c1 = self.tiles[g - 1][0] + self.tiles[g - 1][1]
+        kind = self.tiles[f][2]
+        base = {0: 0, 1: self._nq() * d, 2: (self._nq() + self._nkv()) * d}[kind]
+        return (c0 - base) // d, (c1 - c0) // d
+
+    def _nq(self):
+        return self.outs[0].shape[0]
+
+    def _nkv(self):
+        return self.outs[2].shape[0]
+
+    def _token_lanes(self, blk, hT, i0, f, g, kind):
+        """Tokens on partitions (R per partition), heads of tiles [f, g) along the free dim."""
+        d, R, t0 = self.d, blk["R"], blk["t0"]
+        h0, nh = self._head_range(f, g)
+        stage = nl.ndarray((P, nh, R, d), dtype=nl.bfloat16, buffer=nl.sbuf)   # [128, nh, R, d]
+        hpc = max(1, 1024 // d)                      # heads per PSUM chunk (one bf16 bank)
+        for j in range(R):
+            for c0 in range(0, nh, hpc):
+                cn = min(hpc, nh - c0)
+                X = nl.ndarray((P, cn * d), dtype=nl.bfloat16, buffer=nl.psum)  # [128, cn*d]
+                col = 0
+                fa = f + (c0 * d) // P
+                fb = f + cdiv((c0 + cn) * d, P)
+                for ft in range(fa, fb):
+                    nn = self.tiles[ft][1]
+                    nisa.nc_matmul(dst=X[:, col:col + nn],
+                                   stationary=hT[0:nn, ft - i0, j:j + R * (P - 1) + 1:R],
+                                   moving=self.ident[0:nn, 0:nn], is_transpose=True)
+                    col += nn
+                tab = None
+                if blk["tab"] is not None:
+                    tab = (blk["tab"][:, 0, j, :], blk["tab"][:, 1, j, :])
+                self._lanes(X.reshape((P, cn, d)), stage[:, c0:c0 + cn, j, :], P, cn, kind, tab)
+        out = self.outs[kind]
+        if kind == 1 and self.k_transposed:
+            self._store_kT_token(stage, blk, h0, nh)
+            return
+        dst = out[h0:h0 + nh, t0:t0 + P * R, :].reshape_dim(1, (P, R)).permute((1, 0, 2, 3))
+        nisa.dma_copy(dst=dst, src=stage)
+
+    def _pair_lanes(self, blk, hT, i0, f, g, kind):
+        """Leftover r < 128 tokens: lanes are (unit, token) pairs, unit = a feature tile of
+        128/d heads (d <= 128) or one 256-wide head (two tiles)."""
+        d, r = self.d, blk["r"]
+        lo = blk["t0"] + blk["R"] * P
+        h0, nh = self._head_range(f, g)
+        units = []   # (first tile, n tiles, heads in unit)
+        if d == 256:
+            units = [(ft, 2, 1) for ft in range(f, g, 2)]
+        else:
+            units = [(ft, 1, self.tiles[ft][1] // d) for ft in range(f, g)]
+        gmax = max(1, P // r)
+        u = 0
+        hh = h0
+        while u < len(units):
+            hpu = units[u][2]
+            v = u
+            while v < len(units) and v - u < gmax and units[v][2] == hpu:
+                v += 1
+            ng = v - u
+            L = ng * r
+            X = nl.ndarray((L, hpu * d), dtype=nl.bfloat16, buffer=nl.psum)   # [L, hpu*d]
+            fu = units[u][0] - i0
+            s0 = lo - blk["t0"]
+            if d == 256:   # even tiles: dims 0..127 of each head, odd tiles: 128..255
+                for half in range(2):
+                    src = hT[:, fu + half:fu + half + 2 * ng - 1:2, s0:s0 + r]   # [128, ng, r]
+                    nisa.nc_matmul(dst=X[:, half * P:(half + 1) * P], stationary=src,
+                                   moving=self.ident, is_transpose=True)
+            else:
+                nn = hpu * d
+                src = hT[0:nn, fu:fu + ng, s0:s0 + r]                             # [nn, ng, r]
+                nisa.nc_matmul(dst=X, stationary=src, moving=self.ident[0:nn, 0:nn],
+                               is_transpose=True)
+            stage = nl.ndarray((L, hpu, d), dtype=nl.bfloat16, buffer=nl.sbuf)   # [L, hpu, d]
+            tab = None
+            if self.rot:
+                pt = self.pair_table(blk, ng)
+                tab = (pt[:, 0, :], pt[:, 1, :])
+            self._lanes(X.reshape((L, hpu, d)), stage, L, hpu, kind, tab)
+            nheads = ng * hpu
+            if kind == 1 and self.k_transposed:
+                self._store_kT_pair(stage, lo, r, hh, ng, hpu, L)
+            else:
+                out = self.outs[kind]
+                dst = out[hh:hh + nheads, lo:lo + r, :].reshape_dim(0, (ng, hpu)).permute(
+                    (0, 2, 1, 3))
+                nisa.dma_copy(dst=dst, src=stage)
+            hh += nheads
+            u = v
+
+    # ------------------------------------------------------------------ lane math
+    def _lanes(self, X, S, L, G, kind, tab):
+        """X: PSUM [L, G, d] bf16 -> S: SBUF [L, G, d] bf16 view.
+
+        q, k: optional per-head RMSNorm (sum of squares along d, rsqrt on ScalarE), then RoPE
+        on the first rot dims: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), pairs (i, i + rot/2)
+        or (2i, 2i + 1). v: a copy."""
+        d, rot, h2 = self.d, self.rot, self.h2
+        if kind == 2 or (not rot and self.qk_g[kind] is None):
+            eng = nisa.engine.scalar if self.ev % 2 else nisa.engine.vector
+            self.ev += 1
+            nisa.tensor_copy(dst=S, src=X, engine=eng)
+            return
+        f32 = nl.float32
+        src = X
+        gam = self.qk_g[kind]
+        if gam is not None:
+            sq = nl.ndarray((L, G, d), dtype=f32, buffer=nl.sbuf)               # [L, G, d]
+            nisa.activation(dst=sq, op=nl.square, data=X)
+            ss = nl.ndarray((L, G), dtype=f32, buffer=nl.sbuf)                  # [L, G]
+            nisa.tensor_reduce(dst=ss, op=nl.add, data=sq, axis=2)
+            rq = nl.ndarray((L, G), dtype=f32, buffer=nl.sbuf)                  # [L, G]
+            nisa.activation(dst=rq, op=nl.rsqrt, data=ss, scale=1.0 / d, bias=float(self.qk_eps))
+            xs = nl.ndarray((L, G, d), dtype=f32, buffer=nl.sbuf)               # [L, G, d]
+            nisa.tensor_tensor(dst=xs, data1=X, data2=rq.expand_dim(2).broadcast(2, d),
+                               op=nl.multiply)
+            src = xs
+        if not rot:      # QK-norm only
+            nisa.tensor_tensor(dst=S, data1=src, data2=_bc(gam[0:L, :], G), op=nl.multiply)
+            return
+        if self.interleaved:
+            i1, i2 = slice(0, rot, 2), slice(1, rot, 2)
+        else:
+            i1, i2 = slice(0, h2), slice(h2, rot)
+        cos, sin = tab
+        if gam is not None:   # fold the QK-norm weight into the tables
+            c1, s1, c2, s2 = (nl.ndarray((L, h2), dtype=f32, buffer=nl.sbuf) for _ in range(4))
+            nisa.tensor_tensor(dst=c1, data1=cos, data2=gam[0:L, i1], op=nl.multiply)
+            nisa.tensor_tensor(dst=s1, data1=sin, data2=gam[0:L, i1], op=nl.multiply)
+            nisa.tensor_tensor(dst=c2, data1=cos, data2=gam[0:L, i2], op=nl.multiply)
+            nisa.tensor_tensor(dst=s2, data1=sin, data2=gam[0:L, i2], op=nl.multiply)
+        else:
+            c1 = c2 = cos
+            s1 = s2 = sin
+        x1, x2 = src[:, :, i1], src[:, :, i2]
+        a = nl.ndarray((L, G, h2), dtype=f32, buffer=nl.sbuf)                   # [L, G, h2]
+        b = nl.ndarray((L, G, h2), dtype=f32, buffer=nl.sbuf)                   # [L, G, h2]
+        nisa.tensor_tensor(dst=a, data1=x1, data2=_bc(c1, G), op=nl.multiply)
+        nisa.tensor_tensor(dst=b, data1=x2, data2=_bc(s2, G), op=nl.multiply)
+        # the combines read SBUF only: GpSimd takes them (spec: tensor_tensor runs on "Vector
+        # Engine or GpSimd Engine"; float math in fp32 on either), relieving VectorE
+        nisa.tensor_tensor(dst=S[:, :, i1], data1=a, data2=b, op=nl.subtract,
+                           engine=nisa.engine.gpsimd)
+        a2 = nl.ndarray((L, G, h2), dtype=f32, buffer=nl.sbuf)                  # [L, G, h2]
+        b2 = nl.ndarray((L, G, h2), dtype=f32, buffer=nl.sbuf)                  # [L, G, h2]
+        nisa.tensor_tensor(dst=a2, data1=x2, data2=_bc(c2, G), op=nl.multiply)
+        nisa.tensor_tensor(dst=b2, data1=x1, data2=_bc(s1, G), op=nl.multiply)
+        nisa.tensor_tensor(dst=S[:, :, i2], data1=a2, data2=b2, op=nl.add,
+                           engine=nisa.engine.gpsimd)
+        if rot < d:
+            if gam is not None:
+                nisa.tensor_tensor(dst=S[:, :, rot:d], data1=src[:, :, rot:d],
+                                   data2=_bc(gam[0:L, rot:d], G), op=nl.multiply)
+            else:
+                nisa.tensor_copy(dst=S[:, :, rot:d], src=src[:, :, rot:d],
+                                 engine=nisa.engine.scalar)
+
+    # ------------------------------------------------------------------ transposed k
+    def _store_kT_token(self, stage, blk, h0, nh):
+        """Token-lane k [128, nh, R, d] -> k[h, :, t0 : t0 + 128 R] via transposes back."""
+        d, R, t0 = self.d, blk["R"], blk["t0"]
+        dp = min(d, P)
+        nd = d // dp
+        kT = nl.ndarray((dp, nd, nh, P * R), dtype=nl.bfloat16, buffer=nl.sbuf)  # [dp, nd, nh, 128R]
+        for hh in range(nh):
+            for j in range(R):
+                for c in range(nd):
+                    tp = nl.ndarray((dp, P), dtype=nl.bfloat16, buffer=nl.psum)   # [dp, 128]
+                    nisa.nc_matmul(dst=tp, stationary=stage[:, hh, j, c * dp:(c + 1) * dp],
+                                   moving=self.ident, is_transpose=True)
+                    nisa.tensor_copy(dst=kT[:, c, hh, j:j + R * (P - 1) + 1:R], src=tp)
+        k = self.outs[1]
+        dst = k[h0:h0 + nh, :, t0:t0 + P * R].reshape_dim(1, (nd, dp)).permute((2, 1, 0, 3))
+        nisa.dma_copy(dst=dst, src=kT)
+
+    def _store_kT_pair(self, stage, lo, r, hh, ng, hpu, L):
+        """Pair-lane k [L=(unit, t), hpu, d] -> k[h, :, lo:lo + r]."""
+        d = self.d
+        dp = min(d, P)
+        nd = d // dp
+        kT = nl.ndarray((dp, nd, ng, hpu, r), dtype=nl.bfloat16, buffer=nl.sbuf)
+        for s in range(hpu):
+            for c in range(nd):
+                tp = nl.ndarray((dp, L), dtype=nl.bfloat16, buffer=nl.psum)       # [dp, L]
+                nisa.nc_matmul(dst=tp, stationary=stage[:, s, c * dp:(c + 1) * dp],
+                               moving=self.ident[0:L, 0:L], is_transpose=True)
+                nisa.tensor_copy(dst=kT[:, c, :, s, :], src=tp)
+        k = self.outs[1]
+        nh = ng * hpu
+        dst = k[hh:hh + nh, :, lo:lo + r].reshape_dim(1, (nd, dp)).reshape_dim(0, (ng, hpu))
+        dst = dst.permute((3, 2, 0, 1, 4))                    # [dp, nd, ng, hpu, r]
+        nisa.dma_copy(dst=dst, src=kT)
+
+
+def _bc(t, G):
+    """[L, n] -> [L, G, n] view with stride 0 along G."""
+    return t.expand_dim(1).broadcast(1, G)
+
+
+# ---------------------------------------------------------------------------------------- op
+class QKVOutput(NamedTuple):
+    q: object          # [n_q_heads, T, head_dim]
+    k: object          # [n_kv_heads, T, head_dim] or [n_kv_heads, head_dim, T]
+    v: object          # [n_kv_heads, T, head_dim]
+    residual: object   # x + residual [T, H] when a residual was fused, else None
+
+
+def rope_cos_sin(positions, rotary_dim, theta):
+    """cos, sin [T, rotary_dim // 2] fp32 of ``positions * theta ** (-2i / rotary_dim)``."""
+    pos = np.asarray(positions, dtype=np.float64).reshape(-1)
+    inv = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    ang = pos[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def qkv_proj(x, w_qkv, *, n_q_heads, n_kv_heads, head_dim, bias=None, residual=None,
+             norm_weight=None, eps=1e-6, q_norm_weight=None, k_norm_weight=None,
+             qk_norm_eps=None, positions=None, rope_theta=10000.0, cos=None, sin=None,
+             rotary_dim=None, rope_layout="half", k_layout="heads") -> QKVOutput:
+    """Fused QKV projection (RMSNorm + QKV GEMM + QK-norm + RoPE) on a NeuronCore.
+
+    Args:
+      x: [T, H] bfloat16 (NumPy / ml_dtypes or CPU torch).
+      w_qkv: [H, (n_q_heads + 2 n_kv_heads) * head_dim] bfloat16, columns q | k | v.
+      n_q_heads, n_kv_heads: heads (n_q_heads a multiple of n_kv_heads); head_dim 64, 128 or 256.
+      bias: optional [(n_q + 2 n_kv) * head_dim] float vector.
+      residual: optional [T, H] bfloat16 added to x before the norm; the sum is returned.
+      norm_weight: optional [H] RMSNorm weight (gamma); eps its epsilon. None = no norm.
+      q_norm_weight, k_norm_weight: optional [head_dim] per-head RMSNorm weights of q and k
+        (Qwen3 QK-norm; both or neither); qk_norm_eps defaults to eps.
+      positions: optional [T] integer positions -> RoPE with rope_theta; or cos, sin:
+        [T, rotary_dim // 2] tables (one angle per rotated pair). Neither = no RoPE.
+      rotary_dim: rotated dims per head (even, <= head_dim; default head_dim).
+      rope_layout: "half" (pairs (i, i + rotary_dim/2), Llama / NeoX) or "interleaved"
+        (pairs (2i, 2i+1), GPT-J).
+      k_layout: "heads" (k [n_kv, T, d]) or "transposed" (k [n_kv, d, T]).
+    Returns:
+      QKVOutput(q, k, v, residual) with bfloat16 q [n_q, T, d], k, v [n_kv, T, d] (k as
+      [n_kv, d, T] when transposed); residual is x + residual, or None.
+    """
+    name = "qkv_proj"
+    T, H = _check_2d(name, "x", x)
+    _check_dtype(name, "x", x, ("bfloat16",))
+    for a, v in (("n_q_heads", n_q_heads), ("n_kv_heads", n_kv_heads)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}: {a} must be a positive int; got {v!r}")
+    if n_q_heads % n_kv_heads:
+        raise ValueError(f"{name}: n_q_heads ({n_q_heads}) must be a multiple of n_kv_heads "
+                         f"({n_kv_heads})")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim must be one of 64, 128, 256; got {head_dim}")
+    N = (n_q_heads + 2 * n_kv_heads) * head_dim
+    Hw, Nw = _check_2d(name, "w_qkv", w_qkv)
+    if (Hw, Nw) != (H, N):
+        raise ValueError(f"{name}: w_qkv must be [H, (n_q_heads + 2 n_kv_heads) * head_dim] = "
+                         f"[{H}, {N}]; got {list(w_qkv.shape)}")
+    _check_dtype(name, "w_qkv", w_qkv, ("bfloat16",))
+    if bias is not None:
+        bias = _vector(name, "bias", bias, N)
+    if residual is not None:
+        if tuple(residual.shape) != (T, H):
+            raise ValueError(f"{name}: residual must have the shape of x {[T, H]}; got "
+                             f"{list(residual.shape)}")
+        _check_dtype(name, "residual", residual, ("bfloat16",))
+    if norm_weight is not None:
+        norm_weight = _vector(name, "norm_weight", norm_weight, H)
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"{name}: eps must be a positive float; got {eps!r}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError(f"{name}: q_norm_weight and k_norm_weight must be given together")
+    if q_norm_weight is not None:
+        q_norm_weight = _vector(name, "q_norm_weight", q_norm_weight, head_dim)
+        k_norm_weight = _vector(name, "k_norm_weight", k_norm_weight, head_dim)
+    qk_eps = eps if qk_norm_eps is None else qk_norm_eps
+    if not (isinstance(qk_eps, (int, float)) and qk_eps > 0):
+        raise ValueError(f"{name}: qk_norm_eps must be a positive float; got {qk_eps!r}")
+    if rope_layout not in ("half", "interleaved"):
+        raise ValueError(f"{name}: rope_layout must be 'half' or 'interleaved'; got "
+                         f"{rope_layout!r}")
+    if k_layout not in ("heads", "transposed"):
+        raise ValueError(f"{name}: k_layout must be 'heads' or 'transposed'; got {k_layout!r}")
+    rot = head_dim if rotary_dim is None else rotary_dim
+    if not isinstance(rot, (int, np.integer)) or rot < 2 or rot % 2 or rot > head_dim:
+        raise ValueError(f"{name}: rotary_dim must be an even int in [2, head_dim={head_dim}]; "
+                         f"got {rotary_dim!r}")
+    if positions is not None and (cos is not None or sin is not None):
+        raise ValueError(f"{name}: pass positions (with rope_theta) or cos/sin tables, not both")
+    if (cos is None) != (sin is None):
+        raise ValueError(f"{name}: cos and sin must be given together")
+    if positions is not None:
+        pos = np.asarray(positions)
+        if pos.shape != (T,) or pos.dtype.kind not in "iu":
+            raise ValueError(f"{name}: positions must be an integer array of shape [{T}]; got "
+                             f"shape {list(pos.shape)} dtype {pos.dtype}")
+        if not (isinstance(rope_theta, (int, float)) and rope_theta > 1):
+            raise ValueError(f"{name}: rope_theta must be a float > 1; got {rope_theta!r}")
+        cos, sin = rope_cos_sin(pos, rot, float(rope_theta))
+    elif cos is not None:
+        cos = np.asarray(cos, dtype=np.float32)
+        sin = np.asarray(sin, dtype=np.float32)
+        for a, t in (("cos", cos), ("sin", sin)):
+            if t.shape != (T, rot // 2):
+                raise ValueError(f"{name}: {a} must be [T, rotary_dim // 2] = [{T}, {rot // 2}]; "
+                                 f"got {list(t.shape)}")
+    else:
+        rot = 0
+    plan = plan_qkv(T, H, n_q_heads, n_kv_heads, head_dim, _sbuf_budget())
+    res = launch(qkv_proj_kernel, x, w_qkv, bias, residual, norm_weight, q_norm_weight,
+                 k_norm_weight, cos, sin, n_q_heads, n_kv_heads, head_dim, float(eps),
+                 float(qk_eps), rot, rope_layout == "interleaved", k_layout == "transposed",
+                 plan.tb_max, plan.nf_max, plan.kb, plan.kc, plan.ts_max)
+    q, k, v = res[0], res[1], res[2]
+    return QKVOutput(q, k, v, res[3] if residual is not None else None)
+
+
+# ------------------------------------------------------------------------------- validation
+def _is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _dtype_name(x):
+    if _is_torch(x):
+        return str(x.dtype).replace("torch.", "")
+    import ml_dtypes
+    d = np.dtype(x.dtype)
+    for n in ("bfloat16", "float8_e4m3", "float8_e4m3fn", "float8_e5m2"):
+        if d == np.dtype(getattr(ml_dtypes, n)):
+            return n
+    return str(d)
+
+
+def _check_2d(op, name, a):
+    shape = getattr(a, "shape", None)
+    if shape is None or len(shape) != 2:
+        raise ValueError(f"{op}: {name} must be a 2-D array; got shape {shape}")
+    if min(shape) < 1:
+        raise ValueError(f"{op}: {name} must have positive dimensions; got {list(shape)}")
+    return int(shape[0]), int(shape[1])
+
+
+def _check_dtype(op, name, a, allowed):
+    got = _dtype_name(a)
+    if got not in allowed:
+        raise TypeError(f"{op}: {name}.dtype must be {' or '.join(allowed)}; got {got}")
+    return got
+
+
+def _vector(op, name, v, n):
+    """A float vector of length n as a contiguous fp32 NumPy array (it is small: H or N)."""
+    if _is_torch(v):
+        v = v.detach().float().numpy()
+    a = np.asarray(v)
+    if a.shape != (n,):
+        raise ValueError(f"{op}: {name} must be a vector of length {n}; got shape {list(a.shape)}")
+    if a.dtype.kind not in "fV" and _dtype_name(a) != "bfloat16":
+        raise TypeError(f"{op}: {name} must be a float vector; got {a.dtype}")
+    return np.ascontiguousarray(a.astype(np.float32))
+
+
+def _sbuf_budget():
+    """Usable SBUF bytes per partition with a 10% margin for the compiler's own buffers."""
+    return int(nl.tile_size.sbuf_fmax_bytes * 0.9)

@@ -1,0 +1,487 @@
+"""SwiGLU MLP: ``y = residual + (silu(xn @ W_gate) * (xn @ W_up)) @ W_down``, ``xn = rmsnorm(x)``.
+
+One kernel for prefill and decode (docs/dense.md), on the weight-stationary GEMM passes of
+``_dense``: gate and up produce ``hT [I, tokens]`` directly in the layout the down projection
+contracts over (I on partitions), so the intermediate never leaves SBUF and never needs a
+transpose; only the output ``yT [H, tokens]`` is transposed back to ``y [T, H]``.
+
+Weights in bf16, or FP8 (``float8_e4m3`` on Trn2 and Trn3, ``float8_e4m3fn`` on Trn3) with one
+fp32 scale per output channel. With FP8 weights the activations (the normalised x and the
+intermediate h) are quantized to the same FP8 format per token inside the kernel, and the
+GEMMs run ``double_row`` (contraction 256 per instruction, 2x the bf16 rate).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _dense as D
+from ._dense import P, cdiv
+from .backend import launch, nisa, nki, nl
+from .qkv_proj import _check_2d, _check_dtype, _dtype_name, _sbuf_budget, _vector
+
+NCOLS_MAX = 4096        # weight columns per pass: 8 KiB bf16 rows per k-tile in SBUF
+_FP8 = ("float8_e4m3", "float8_e4m3fn")
+FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0}
+
+
+@dataclass(frozen=True)
+class MLPPlan:
+    """Tile choices for one call.
+
+    tb_max: tokens per block (<= 512, the largest multiple of 64 whose SBUF fits: the
+      intermediate hT [128, I/128, tb] stays resident for the block). T <= tb_max is one block
+      and every weight streams from HBM once (decode); larger T re-streams the weights once per
+      block, which costs ridge/tb of the TensorE time (42% on Trn2 at 512 tokens).
+    y_pipe: the transposes of down pass p run after pass p+1's GEMM (two yT buffers), so
+      TensorE never waits for an eviction; off when SBUF is short (Llama-3-8B on Trn2).
+    combined: gate and up accumulate in the same pass (when 2 x 8 accumulator tiles of
+      [128, Tp] fp32 fit PSUM, i.e. tb <= 256); else a gate pass then an up pass per I-block,
+      so each pass still reads weight rows in 2 KiB runs.
+    nf_gu, nf_d: feature tiles per pass for gate/up and for down.
+    kb_gu, kb_d: weight k-tiles per DMA.
+    """
+
+    T: int
+    H: int
+    I: int
+    tb_max: int
+    combined: bool
+    nf_gu: int
+    nf_d: int
+    kb_gu: int
+    kb_d: int
+    fp8: bool
+    y_pipe: bool
+    sbuf_bytes: int
+
+
+def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget) -> MLPPlan:
+    """Largest token block (multiple of 64, <= 512) whose SBUF fits, preferring a double-
+    buffered y epilogue at equal block size."""
+    KT, KI = cdiv(H, P), cdiv(I, P)
+    a_bytes = 1 if fp8 else 2
+    best = None
+    for tb_max in range(512, 63, -64):
+        tb = max(b for _, b in D.token_blocks(T, tb_max))
+        combined = D.max_tiles_per_pass(tb, 2) >= 8
+        ncap = NCOLS_MAX // P
+        nf_gu = min(D.max_tiles_per_pass(tb, 2 if combined else 1), ncap, KI)
+        nf_d = min(D.max_tiles_per_pass(tb, 1), ncap, KT)
+        kb_gu = D.k_tiles_per_dma(nf_gu * P, w_bytes, H, 4096)
+        kb_d = D.k_tiles_per_dma(nf_d * P, w_bytes, I, 4096)
+        nw = 2 if combined else 1
+        hT = KI * tb * a_bytes
+        fixed = 4 * (KT + 2 * KI) + 2 * 1024          # norm weight / scales, identities
+        rows = H * 2 * cdiv(tb, P)
+        h_gu = hT
+        if fp8:   # norm weight row, token scales; h in bf16 until its scale is known, then both
+            fixed += H * 4 + 3 * tb * 4 + 7 * H
+            h_gu = KI * tb * 3
+        # gate/up phase: xT, h, weight ring (3 transfers in flight), silu(gate)
+        gu = (KT * tb * a_bytes + h_gu + 3 * nw * kb_gu * nf_gu * P * w_bytes
+              + nf_gu * tb * (8 if fp8 else 4))
+        for ybuf in (2, 1):
+            # down phase: hT, the next block's rows, weight ring, yT buffers, y / residual rows
+            dn = (hT + rows + 3 * kb_d * nf_d * P * w_bytes + ybuf * nf_d * tb * 4
+                  + 2 * nf_d * P * 2 * 2)
+            sb = fixed + max(gu, dn)
+            if sb <= sbuf_budget:
+                return MLPPlan(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, fp8,
+                               ybuf == 2, sb)
+            best = sb if best is None else min(best, sb)
+        if tb < 64:
+            break
+    raise ValueError(f"swiglu_mlp: hidden={H}, intermediate={I} need {best} bytes of SBUF per "
+                     f"partition even at 64 tokens per block; {sbuf_budget} available")
+
+
+# ------------------------------------------------------------------------------------ kernel
+@nki.jit
+def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s_down, eps,
+                      tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe):
+    """``y = residual + (silu(xn @ Wg) * (xn @ Wu)) @ Wd`` with ``xn = rmsnorm(x) * gamma``.
+
+    Dimensions:
+      T >= 1 tokens, H >= 1 hidden, I >= 1 intermediate.
+    Args:
+      x: [T, H] bf16 HBM.  w_gate, w_up: [H, I] HBM.  w_down: [I, H] HBM; bf16, or FP8 with
+        s_gate, s_up: [I] fp32 and s_down: [H] fp32 per-output-channel scales (else None).
+      norm_w: [H] fp32 HBM or None (no RMSNorm).  residual: [T, H] bf16 HBM or None.
+      eps: RMSNorm epsilon.  tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe: from MLPPlan.
+    Returns:
+      y: [T, H] bf16, shared HBM.
+    Notes:
+      fp32 accumulation; xn and h are rounded to bf16 (or quantized per token to FP8) as GEMM
+      inputs; silu and the product run in fp32 on the PSUM eviction.
+    Pseudocode:
+      for t0 in token blocks (<= tb_max):
+        xT[h, t] = gamma[h] * rmsnorm(x)[t, h]             # rows on partitions, PE transposes
+        for I-block:                                       # weight-stationary passes
+          g[i, t], u[i, t] = sum_k Wg/Wu[k, i].T @ xT[k, t]
+          hT[i, t] = silu(g * sg[i]) * u * su[i]           # PSUM eviction, ScalarE + VectorE
+        for H-block:
+          yT[j, t] = sd[j] * sum_i Wd[i, j].T @ hT[i, t]
+          y[t, j] = transpose(yT)[t, j] + residual[t, j]   # PE transposes (fp32), DMA out
+    """
+    T, H = x.shape
+    I = w_gate.shape[1]
+    KI = cdiv(I, P)
+    fp8 = s_gate is not None
+    y = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    gu_tiles = D.feature_tiles([(0, I, 0)])
+    gu_passes = D.group_passes(gu_tiles, nf_gu)
+    i0, i1 = gu_passes[0]
+    first = D.prefetch_weights([w_gate, w_up] if combined else [w_gate], H, kb_gu,
+                               gu_tiles[i0][0], sum(t[1] for t in gu_tiles[i0:i1]), fp8)
+    ident = D.identity(nl.bfloat16)
+    ident_f = D.identity(nl.float32)
+    gamma_T = D.load_col_vector(norm_w, H, nl.float32, ident=ident_f) if norm_w is not None \
+        else None
+    q = None
+    if fp8:   # per-channel weight scales as columns; the norm weight as a row (per token amax)
+        q = _Fp8(w_gate.dtype, (D.load_col_vector(s_gate, I, ident=ident_f),
+                                D.load_col_vector(s_up, I, ident=ident_f),
+                                D.load_col_vector(s_down, H, ident=ident_f)),
+                 D.load_row_broadcast(norm_w, P, nl.float32) if norm_w is not None else None)
+        gamma_T = None
+    d_tiles = D.feature_tiles([(0, H, 0)])
+    norm = norm_w is not None
+    blocks = D.token_blocks(T, tb_max)
+    rows_next = D.x_rows_normalised(x, blocks[0][0], blocks[0][1], None, None, norm, eps)
+    xT, A = _x_block(rows_next, blocks[0][1], H, gamma_T, ident, ident_f, q, w_gate.dtype)
+    rows_next = None
+    pending = None
+    ev = [0]
+    for bi, (t0, tb) in enumerate(blocks):
+        Tp = D.acc_free(tb)
+        if fp8:
+            h_parts = []
+            hmax = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)    # [128, tb] max|h|
+        else:
+            hT = nl.ndarray((P, KI, tb), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, KI, tb]
+        for pi, (i0, i1) in enumerate(gu_passes):
+            widths = [gu_tiles[i][1] for i in range(i0, i1)]
+            c0 = gu_tiles[i0][0]
+            if combined:
+                acc_g, acc_u = D.gemm_pass([w_gate, w_up], xT, H, tb, Tp, widths, c0, kb_gu, fp8,
+                                           first)
+                first = None
+                sg = _silu_evict(acc_g, widths, tb, q, A, i0)
+                del acc_g
+            else:
+                acc_g = D.gemm_pass([w_gate], xT, H, tb, Tp, widths, c0, kb_gu, fp8, first)[0]
+                first = None
+                sg = _silu_evict(acc_g, widths, tb, q, A, i0)
+                del acc_g
+                acc_u = D.gemm_pass([w_up], xT, H, tb, Tp, widths, c0, kb_gu, fp8)[0]
+            if fp8:
+                hp = nl.ndarray((P, i1 - i0, tb), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, nf, tb]
+                _gate_evict(hp, sg, acc_u, widths, tb, q, i0, 0)
+                q.track_max(hmax, hp, tb, pi == 0)
+                h_parts.append((i0, i1, hp))
+            else:
+                _gate_evict(hT, sg, acc_u, widths, tb, None, i0, i0)
+            del acc_u, sg
+        del xT, A
+        B = None
+        if fp8:   # per-token scale of h: max over partitions, then quantize every pass tile
+            hT, B = q.quantize_h(h_parts, hmax, KI, tb)
+            del h_parts
+        if bi + 1 < len(blocks):   # next block's loads and norm overlap this block's down GEMM
+            tn0, tnb = blocks[bi + 1]
+            rows_next = D.x_rows_normalised(x, tn0, tnb, None, None, norm, eps)
+        dpasses = D.group_passes(d_tiles, nf_d)
+        for pi, (j0, j1) in enumerate(dpasses):
+            widths = [d_tiles[j][1] for j in range(j0, j1)]
+            c0 = d_tiles[j0][0]
+            acc = D.gemm_pass([w_down], hT, I, tb, Tp, widths, c0, kb_d, fp8)[0]
+            yT = nl.ndarray((P, j1 - j0, tb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nf, tb]
+            _evict_y(yT, acc, widths, tb, q, B, j0, ev)
+            del acc
+            if pi + 1 == len(dpasses) and bi + 1 < len(blocks):
+                # the next block's transposes go ahead of the pending epilogue
+                xT, A = _x_block(rows_next, blocks[bi + 1][1], H, gamma_T, ident, ident_f, q,
+                                 w_gate.dtype)
+                rows_next = None
+            if pending is not None:
+                _store_y(y, residual, ident_f, *pending)
+            pending = (yT, t0, tb, c0, widths)
+            if not y_pipe:
+                _store_y(y, residual, ident_f, *pending)
+                pending = None
+            del yT
+        del hT
+    if pending is not None:
+        _store_y(y, residual, ident_f, *pending)
+    return y
+
+
+def _x_block(rows, tb, H, gamma_T, ident, ident_f, q, wdtype):
+    """Rows of a token block -> (xT [128, KT(e), tb], per-token scales A or None). FP8: rows
+    quantized per token first, xT in the weights' FP8 format with double_row padding."""
+    if q is None:
+        return D.x_transposed(rows, tb, H, gamma_T, ident), None
+    rows, A = q.quantize_rows(rows, tb, ident_f)
+    return D.x_transposed(rows, tb, H, None, ident, wdtype, True), A
+
+
+class _Fp8:
+    """Per-token activation quantization for the FP8 (double_row) path.
+
+    Scales: ``x ~ a_t * xq[t, :]`` with ``a_t = max_h |x[t, h]| / FP8_MAX`` (the norm weight
+    included), the same for the intermediate h (``b_t``); the weights carry per-output-channel
+    scales. Per-token scales vary along the free dim of the feature-major GEMM outputs, so they
+    are applied as row tiles ``[128, tb]`` broadcast to all partitions by a K=1 matmul.
+    """
+
+    def __init__(self, dtype, wscales, gamma_row):
+        self.dtype = dtype
+        self.fmax = 448.0 if dtype == nl.float8_e4m3fn else 240.0
+        self.ws = wscales
+        self.gamma_row = gamma_row
+        self.ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)     # [1, 128]
+        nisa.memset(dst=self.ones, value=1.0)
+
+    def _scale_and_inverse(self, amax, n):
+        """amax [p, n] -> (amax / fmax, fmax / max(amax, 1e-30)) fp32."""
+        sc = nl.ndarray((amax.shape[0], n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=sc, data=amax, op0=nl.multiply, operand0=1.0 / self.fmax)
+        inv = nl.ndarray((amax.shape[0], n), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=inv, data=amax, op0=nl.maximum, operand0=1e-30)
+        nisa.reciprocal(dst=inv, data=inv)
+        nisa.tensor_scalar(dst=inv, data=inv, op0=nl.multiply, operand0=self.fmax)
+        return sc, inv
+
+    def _broadcast(self, row, tb):
+        """row [1, tb] fp32 -> [128, tb] fp32 (ones[1, 128].T @ row on TensorE)."""
+        ps = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.psum)           # [128, tb]
+        nisa.nc_matmul(dst=ps, stationary=self.ones, moving=row)
+        out = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)          # [128, tb]
+        nisa.tensor_copy(dst=out, src=ps)
+        return out
+
+    def quantize_rows(self, subs, tb, ident_f):
+        """Token-major rows xn [ts, H] -> FP8-valued bf16 rows (for the PE transposes) and the
+        row-broadcast scales A [128, tb]."""
+        a_row = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)       # [1, tb]
+        out = []
+        for s0, ts, xn in subs:
+            H = xn.shape[1]
+            xg = xn
+            if self.gamma_row is not None:
+                xg = nl.ndarray((ts, H), dtype=nl.bfloat16, buffer=nl.sbuf)    # [ts, H]
+                nisa.tensor_tensor(dst=xg, data1=xn, data2=self.gamma_row[0:ts, :],
+                                   op=nl.multiply)
+            ab = nl.ndarray((ts, H), dtype=nl.bfloat16, buffer=nl.sbuf)        # [ts, H]
+            nisa.tensor_scalar(dst=ab, data=xg, op0=nl.abs, operand0=None)
+            amax = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)       # [ts, 1]
+            nisa.tensor_reduce(dst=amax, op=nl.maximum, data=ab, axis=1)
+            sc, inv = self._scale_and_inverse(amax, 1)
+            xq = nl.ndarray((ts, H), dtype=self.dtype, buffer=nl.sbuf)         # [ts, H] fp8
+            nisa.tensor_scalar(dst=xq, data=xg, op0=nl.multiply, operand0=inv)
+            xqb = nl.ndarray((ts, H), dtype=nl.bfloat16, buffer=nl.sbuf)       # [ts, H]
+            nisa.tensor_copy(dst=xqb, src=xq)
+            out.append((s0, ts, xqb))
+            tp = nl.ndarray((1, ts), dtype=nl.float32, buffer=nl.psum)         # [1, ts]
+            nisa.nc_matmul(dst=tp, stationary=sc, moving=ident_f[0:ts, 0:ts], is_transpose=True)
+            nisa.tensor_copy(dst=a_row[:, s0:s0 + ts], src=tp)
+        return out, self._broadcast(a_row, tb)
+
+    def track_max(self, hmax, hp, tb, first):
+        """hmax[p, t] = max over the pass's tiles (and earlier passes) of |h|."""
+        nf = hp.shape[1]
+        ab = nl.ndarray((P, nf, tb), dtype=nl.bfloat16, buffer=nl.sbuf)      # [128, nf, tb]
+        nisa.tensor_scalar(dst=ab, data=hp, op0=nl.abs, operand0=None)
+        if first:
+            nisa.tensor_reduce(dst=hmax, op=nl.maximum, data=ab.permute((0, 2, 1)), axis=2)
+        else:
+            pm = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)       # [128, tb]
+            nisa.tensor_reduce(dst=pm, op=nl.maximum, data=ab.permute((0, 2, 1)), axis=2)
+            nisa.tensor_tensor(dst=hmax, data1=hmax, data2=pm, op=nl.maximum)
+
+    def quantize_h(self, h_parts, hmax, KI, tb):
+        """bf16 pass tiles of h -> hq [128, KIe, tb] FP8 (zero pad tile for double_row) and the
+        row-broadcast scales B [128, tb]."""
+        amax = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)         # [1, tb]
+        nisa.tensor_partition_reduce(dst=amax, op=nl.maximum, data=hmax)
+        sc, inv = self._scale_and_inverse(amax, tb)
+        B = self._broadcast(sc, tb)
+        Binv = self._broadcast(inv, tb)
+        KIe = KI + KI % 2
+        hq = nl.ndarray((P, KIe, tb), dtype=self.dtype, buffer=nl.sbuf)      # [128, KIe, tb]
+        if KIe > KI:
+            nisa.memset(dst=hq[:, KI:KIe, :], value=0.0)
+        for i0, i1, hp in h_parts:
+            nisa.tensor_tensor(dst=hq[:, i0:i1, :], data1=hp,
+                               data2=Binv.expand_dim(1).broadcast(1, i1 - i0), op=nl.multiply)
+        return hq, B
+
+
+def _runs(widths):
+    """Runs [(a, b, nn)] of equal-width tiles."""
+    out = []
+    a = 0
+    while a < len(widths):
+        b = a
+        while b < len(widths) and widths[b] == widths[a]:
+            b += 1
+        out.append((a, b, widths[a]))
+        a = b
+    return out
+
+
+def _silu_evict(acc, widths, tb, q, A, i0):
+    """silu(gate) on ScalarE straight from PSUM -> SBUF fp32 [128, nf, tb]. FP8: the token
+    scale (VectorE, row tile A) and the channel scale (ScalarE scale column) go in first,
+    and the result carries the token scale of up as well: silu(g) * a_t."""
+    nf = len(widths)
+    sg = nl.ndarray((P, nf, tb), dtype=nl.float32, buffer=nl.sbuf)          # [128, nf, tb]
+    if q is None:
+        for a, b, nn in _runs(widths):
+            nisa.activation(dst=sg[0:nn, a:b, :], op=nl.silu, data=acc[0:nn, a:b, 0:tb])
+        return sg
+    ga = nl.ndarray((P, nf, tb), dtype=nl.float32, buffer=nl.sbuf)          # [128, nf, tb]
+    Ab = A.expand_dim(1).broadcast(1, nf)
+    nisa.tensor_tensor(dst=ga, data1=acc[:, :, 0:tb], data2=Ab, op=nl.multiply)
+    for f in range(nf):
+        nisa.activation(dst=sg[:, f, :], op=nl.silu, data=ga[:, f, :],
+                        scale=q.ws[0][:, i0 + f:i0 + f + 1])
+    nisa.tensor_tensor(dst=sg, data1=sg, data2=Ab, op=nl.multiply)
+    return sg
+
+
+def _gate_evict(hT, sg, acc_u, widths, tb, q, i0, k0):
+    """hT[k0 + f] = silu(g) * u (* channel scale of up) on VectorE, one PSUM input, rounded to
+    bf16."""
+    for a, b, nn in _runs(widths):
+        if q is None:
+            nisa.tensor_tensor(dst=hT[0:nn, k0 + a:k0 + b, :], data1=acc_u[0:nn, a:b, 0:tb],
+                               data2=sg[0:nn, a:b, :], op=nl.multiply)
+        else:
+            for f in range(a, b):
+                nisa.scalar_tensor_tensor(dst=hT[0:nn, k0 + f, :], data=acc_u[0:nn, f, 0:tb],
+                                          op0=nl.multiply,
+                                          operand0=q.ws[1][0:nn, i0 + f:i0 + f + 1],
+                                          op1=nl.multiply, operand1=sg[0:nn, f, :])
+
+
+def _evict_y(yT, acc, widths, tb, q, B, j0, ev):
+    """Down-projection accumulators -> fp32 SBUF, alternating VectorE / ScalarE. FP8: times the
+    channel scale (per partition) and the token scale of h (row tile B) on VectorE."""
+    for a, b, nn in _runs(widths):
+        if q is not None:
+            for f in range(a, b):
+                nisa.scalar_tensor_tensor(dst=yT[0:nn, f, :], data=acc[0:nn, f, 0:tb],
+                                          op0=nl.multiply,
+                                          operand0=q.ws[2][0:nn, j0 + f:j0 + f + 1],
+                                          op1=nl.multiply, operand1=B[0:nn, :])
+            continue
+        for c in range(a, b, 4):
+            e = min(b, c + 4)
+            eng = nisa.engine.vector if ev[0] % 2 == 0 else nisa.engine.scalar
+            nisa.tensor_copy(dst=yT[0:nn, c:e, :], src=acc[0:nn, c:e, 0:tb], engine=eng)
+            ev[0] += 1
+
+
+def _store_y(y, residual, ident_f, yT, t0, tb, c0, widths):
+    """yT [features, tokens] -> y[t0:t0+tb, c0:c0+ncols] (+ residual): fp32 PE transposes of
+    up to 4 feature tiles per PSUM bank, the residual added on the eviction."""
+    ncols = sum(widths)
+    for s0 in range(0, tb, P):
+        ts = min(P, tb - s0)
+        y_sb = nl.ndarray((ts, ncols), dtype=y.dtype, buffer=nl.sbuf)       # [ts, ncols]
+        r_sb = None
+        if residual is not None:
+            r_sb = nl.ndarray((ts, ncols), dtype=residual.dtype, buffer=nl.sbuf)  # [ts, ncols]
+            nisa.dma_copy(dst=r_sb, src=residual[t0 + s0:t0 + s0 + ts, c0:c0 + ncols])
+        col = 0
+        for g0 in range(0, len(widths), 4):
+            g1 = min(len(widths), g0 + 4)
+            gw = sum(widths[g0:g1])
+            tp = nl.ndarray((ts, gw), dtype=nl.float32, buffer=nl.psum)    # [ts, gw]
+            o = 0
+            for f in range(g0, g1):
+                nn = widths[f]
+                nisa.nc_matmul(dst=tp[:, o:o + nn], stationary=yT[0:nn, f, s0:s0 + ts],
+                               moving=ident_f[0:nn, 0:nn], is_transpose=True)
+                o += nn
+            if r_sb is not None:
+                nisa.tensor_tensor(dst=y_sb[:, col:col + gw], data1=tp,
+                                   data2=r_sb[:, col:col + gw], op=nl.add)
+            else:
+                eng = nisa.engine.scalar if (g0 // 4) % 2 else nisa.engine.vector
+                nisa.tensor_copy(dst=y_sb[:, col:col + gw], src=tp, engine=eng)
+            col += gw
+        nisa.dma_copy(dst=y[t0 + s0:t0 + s0 + ts, c0:c0 + ncols], src=y_sb)
+
+
+# ---------------------------------------------------------------------------------------- op
+def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=None,
+               gate_scale=None, up_scale=None, down_scale=None):
+    """SwiGLU MLP ``residual + (silu(xn @ w_gate) * (xn @ w_up)) @ w_down`` on a NeuronCore.
+
+    Args:
+      x: [T, H] bfloat16 (NumPy / ml_dtypes or CPU torch).
+      w_gate, w_up: [H, I]; w_down: [I, H]. All bfloat16, or all FP8 (float8_e4m3; on Trn3
+        also float8_e4m3fn) with per-output-channel scales gate_scale, up_scale [I] and
+        down_scale [H] (the dequantized weight is w * scale[column]).
+      norm_weight: optional [H] RMSNorm weight in front (eps its epsilon). None = no norm.
+      residual: optional [T, H] bfloat16 added to the output (pass x for x + mlp(norm(x))).
+    Returns:
+      y [T, H] bfloat16.
+    """
+    name = "swiglu_mlp"
+    T, H = _check_2d(name, "x", x)
+    _check_dtype(name, "x", x, ("bfloat16",))
+    Hg, I = _check_2d(name, "w_gate", w_gate)
+    if Hg != H:
+        raise ValueError(f"{name}: w_gate must be [H, I] with H = x.shape[1] = {H}; got "
+                         f"{list(w_gate.shape)}")
+    if tuple(w_up.shape) != (H, I):
+        raise ValueError(f"{name}: w_up must have the shape of w_gate {[H, I]}; got "
+                         f"{list(w_up.shape)}")
+    if tuple(w_down.shape) != (I, H):
+        raise ValueError(f"{name}: w_down must be [I, H] = {[I, H]}; got {list(w_down.shape)}")
+    wdt = _check_dtype(name, "w_gate", w_gate, ("bfloat16",) + _FP8)
+    for a, w in (("w_up", w_up), ("w_down", w_down)):
+        got = _dtype_name(w)
+        if got != wdt:
+            raise TypeError(f"{name}: {a}.dtype must equal w_gate.dtype ({wdt}); got {got}")
+    fp8 = wdt in _FP8
+    sc = (gate_scale, up_scale, down_scale)
+    if fp8:
+        gen = int(nisa.get_nc_version())
+        if gen < 3:
+            raise ValueError(f"{name}: FP8 weights need Trn2 or Trn3 (double_row); target is "
+                             f"gen{gen}")
+        if wdt == "float8_e4m3fn" and gen < 4:
+            raise ValueError(f"{name}: float8_e4m3fn weights need Trn3; on Trn2 use "
+                             f"float8_e4m3")
+        if H % P or I % P:
+            raise ValueError(f"{name}: FP8 weights need hidden and intermediate sizes that are "
+                             f"multiples of 128; got H={H}, I={I}")
+        if any(s is None for s in sc):
+            raise ValueError(f"{name}: FP8 weights need gate_scale [I], up_scale [I] and "
+                             f"down_scale [H]")
+        sc = (_vector(name, "gate_scale", gate_scale, I), _vector(name, "up_scale", up_scale, I),
+              _vector(name, "down_scale", down_scale, H))
+    elif any(s is not None for s in sc):
+        raise ValueError(f"{name}: gate_scale/up_scale/down_scale are only for FP8 weights "
+                         f"(weights are {wdt})")
+    if norm_weight is not None:
+        norm_weight = _vector(name, "norm_weight", norm_weight, H)
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"{name}: eps must be a positive float; got {eps!r}")
+    if residual is not None:
+        if tuple(residual.shape) != (T, H):
+            raise ValueError(f"{name}: residual must have the shape of x {[T, H]}; got "
+                             f"{list(residual.shape)}")
+        _check_dtype(name, "residual", residual, ("bfloat16",))
+    wb = 1 if fp8 else 2
+    plan = plan_mlp(T, H, I, wb, fp8, _sbuf_budget())
+    return launch(swiglu_mlp_kernel, x, w_gate, w_up, w_down, norm_weight, residual,
+                  sc[0], sc[1], sc[2], float(eps), plan.tb_max, plan.combined, plan.nf_gu,
+                  plan.nf_d, plan.kb_gu, plan.kb_d, plan.y_pipe)
+
+
+__all__ = ["swiglu_mlp", "swiglu_mlp_kernel", "plan_mlp", "MLPPlan"]

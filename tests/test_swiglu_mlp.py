@@ -1,0 +1,243 @@
+"""SwiGLU MLP against its NumPy reference: FAST / ODD / MODELS shapes, T in {1, 7, 129, 1000},
+RMSNorm in front and residual behind, FP8 weights with per-channel scales (double_row, both
+targets), adversarial inputs, the plan, and every refusal."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nki_kernels.emulator import target
+from nki_kernels.reference.compare import assert_rows_close, cosine_similarity
+from nki_kernels.reference.shapes import FAST, LLAMA3_8B, LLAMA3_70B_TP8, MODELS, ODD
+from nki_kernels.reference.swiglu_mlp import quantize_fp8_per_channel, quantize_per_token, swiglu_mlp_ref
+from nki_kernels.swiglu_mlp import plan_mlp, swiglu_mlp
+
+BF16 = ml_dtypes.bfloat16
+E4M3 = ml_dtypes.float8_e4m3
+E4M3FN = ml_dtypes.float8_e4m3fn
+
+
+def _weights(rng, H, I):
+    return [rng.standard_normal(s) / np.sqrt(s[0]) for s in ((H, I), (H, I), (I, H))]
+
+
+def _inputs(rng, T, H, I, norm=True, residual=True):
+    x = rng.standard_normal((T, H)).astype(BF16)
+    ws = [w.astype(BF16) for w in _weights(rng, H, I)]
+    kw = {}
+    if norm:
+        kw["norm_weight"] = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    if residual:
+        kw["residual"] = rng.standard_normal((T, H)).astype(BF16)
+    return x, ws, kw
+
+
+def _run(rng, T, H, I, **opts):
+    x, ws, kw = _inputs(rng, T, H, I, **opts)
+    y = swiglu_mlp(x, *ws, **kw)
+    assert y.shape == (T, H) and y.dtype == BF16
+    assert_rows_close(y, swiglu_mlp_ref(x, *ws, **kw), what=f"y (T={T})")
+
+
+# ---------------------------------------------------------------------------- shape tiers
+@pytest.mark.parametrize("case", FAST.mlp + ODD.mlp, ids=lambda c: c.name)
+def test_shapes(tgt, rng, case):
+    """ODD holds hidden / intermediate sizes that are not multiples of 128 (bf16 supports them:
+    partial k-tiles and feature tiles)."""
+    _run(rng, case.tokens, case.hidden, case.intermediate)
+
+
+@pytest.mark.parametrize("T", [1, 7, 129, 1000])
+def test_tokens(tgt, rng, T):
+    _run(rng, T, 256, 384)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA3_8B, LLAMA3_70B_TP8], ids=lambda c: c.name)
+@pytest.mark.parametrize("T", [1, 129])
+def test_model_widths(tgt, rng, cfg, T):
+    """Real intermediate / hidden ratios at a reduced size (I/H as in the model, H = 256)."""
+    _run(rng, T, 256, 256 * cfg.intermediate // cfg.hidden)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MODELS.mlp, ids=lambda c: c.name)
+def test_model_shapes(rng, case):
+    with target("trn3"):
+        _run(rng, case.tokens, case.hidden, case.intermediate)
+
+
+@pytest.mark.parametrize("norm,residual", [(False, False), (True, False), (False, True)])
+def test_optional_stages(tgt, rng, norm, residual):
+    _run(rng, 70, 256, 512, norm=norm, residual=residual)
+
+
+def test_residual_is_x(rng):
+    """The usual fusion out = x + mlp(rmsnorm(x)): pass x as the residual."""
+    x, ws, kw = _inputs(rng, 50, 256, 256, residual=False)
+    y = swiglu_mlp(x, *ws, residual=x, **kw)
+    assert_rows_close(y, swiglu_mlp_ref(x, *ws, residual=x, **kw))
+
+
+# ---------------------------------------------------------------------------- FP8
+def _fp8(rng, T, H, I, dtype=E4M3, norm=False):
+    x = rng.standard_normal((T, H)).astype(BF16)
+    q = [quantize_fp8_per_channel(w, dtype) for w in _weights(rng, H, I)]
+    kw = dict(gate_scale=q[0][1], up_scale=q[1][1], down_scale=q[2][1])
+    if norm:
+        kw["norm_weight"] = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    return x, [a for a, _ in q], kw
+
+
+@pytest.mark.parametrize("T", [1, 7, 129, 300])
+def test_fp8_matches_per_token_quantization(tgt, rng, T):
+    """Without a norm in front the kernel quantizes exactly the reference's activations, so it
+    must match the per-token-quantized reference up to bf16 rounding: cos >= 0.9998 (measured
+    0.99991; an error in a scale or a token mapping drops it below 0.99)."""
+    x, ws, kw = _fp8(rng, T, 256, 384)
+    y = swiglu_mlp(x, *ws, **kw)
+    assert y.dtype == BF16 and y.shape == (T, 256)
+    assert cosine_similarity(y, swiglu_mlp_ref(x, *ws, act_dtype=E4M3, **kw)) >= 0.9998
+    assert cosine_similarity(y, swiglu_mlp_ref(x, *ws, **kw)) >= 0.998
+
+
+def test_fp8_with_norm_and_residual(tgt, rng):
+    """With a norm the quantized values are the bf16-rounded normalised activations; FP8
+    rounding flips leave cos ~0.9995 to both references (0.999 required)."""
+    x, ws, kw = _fp8(rng, 130, 256, 256, norm=True)
+    kw["residual"] = x
+    y = swiglu_mlp(x, *ws, **kw)
+    yr = y.astype(np.float32) - x.astype(np.float32)
+    for act in (E4M3, None):
+        e = swiglu_mlp_ref(x, *ws, act_dtype=act, **kw).astype(np.float32) - x.astype(np.float32)
+        assert cosine_similarity(yr, e) >= 0.999
+
+
+def test_fp8_e4m3fn_trn3(rng):
+    x, ws, kw = _fp8(rng, 20, 256, 384, E4M3FN)
+    with target("trn3"):
+        y = swiglu_mlp(x, *ws, **kw)
+    assert cosine_similarity(y, swiglu_mlp_ref(x, *ws, act_dtype=E4M3FN, **kw)) >= 0.9998
+
+
+def test_fp8_saturation_edge(rng):
+    """Weights at the FP8 maximum and a token with one huge activation: the per-token scale
+    keeps every quantized value finite (no overflow to inf) and the result tracks the
+    reference."""
+    x, ws, kw = _fp8(rng, 9, 256, 256)
+    ws[0][0, :] = E4M3(240.0)
+    ws[2][:, 3] = E4M3(-240.0)
+    x[2, 5] = BF16(3e4)
+    with target("trn2"):
+        y = swiglu_mlp(x, *ws, **kw)
+    assert np.isfinite(y.astype(np.float32)).all()
+    assert cosine_similarity(y, swiglu_mlp_ref(x, *ws, act_dtype=E4M3, **kw)) >= 0.9998
+
+
+def test_fp8_zero_token(rng):
+    """An all-zero token has scale 0: its output is exactly 0 (no 0/0)."""
+    x, ws, kw = _fp8(rng, 5, 256, 256)
+    x[1] = 0
+    y = swiglu_mlp(x, *ws, **kw)
+    assert (y[1].astype(np.float32) == 0).all()
+    assert np.isfinite(y.astype(np.float32)).all()
+
+
+def test_quantize_per_token_reference():
+    a = np.array([[0.0, 0.0], [1.0, -480.0]], np.float32)
+    q = quantize_per_token(a, E4M3)
+    assert (q[0] == 0).all() and q[1, 1] == -480.0
+
+
+# ---------------------------------------------------------------------------- adversarial
+def test_nonfinite_token_stays_in_its_row(rng):
+    x, ws, kw = _inputs(rng, 140, 256, 256, residual=False)
+    x[4, 9] = np.nan
+    x[133, 1] = -np.inf
+    y = swiglu_mlp(x, *ws, **kw)
+    bad = ~np.isfinite(y.astype(np.float32))
+    assert np.unique(np.nonzero(bad)[0]).tolist() == [4, 133]
+
+
+def test_tiny_rows_depend_on_eps(rng):
+    x, ws, kw = _inputs(rng, 6, 256, 256, residual=False)
+    x = (x.astype(np.float32) * 1e-3).astype(BF16)
+    y = swiglu_mlp(x, *ws, eps=1e-2, **kw)
+    e = swiglu_mlp_ref(x, *ws, eps=1e-2, **kw)
+    assert_rows_close(y, e)
+    assert np.abs(e.astype(np.float32)).max() < 0.05
+
+
+def test_large_activations(rng):
+    x, ws, kw = _inputs(rng, 20, 256, 256, norm=False, residual=False)
+    x = (x.astype(np.float32) * 20).astype(BF16)
+    assert_rows_close(swiglu_mlp(x, *ws), swiglu_mlp_ref(x, *ws))
+
+
+def test_noncontiguous_weights(rng):
+    x, ws, kw = _inputs(rng, 12, 256, 256)
+    wf = [np.asfortranarray(w) for w in ws]
+    assert_rows_close(swiglu_mlp(x, *wf, **kw), swiglu_mlp_ref(x, *ws, **kw))
+
+
+# ---------------------------------------------------------------------------- plan
+@pytest.mark.parametrize("tname", ["trn2", "trn3"])
+def test_plan_regimes(tname):
+    from nki_kernels.qkv_proj import _sbuf_budget
+    with target(tname):
+        budget = _sbuf_budget()
+    dec = plan_mlp(32, 4096, 14336, 2, False, budget)
+    pre = plan_mlp(2048, 4096, 14336, 2, False, budget)
+    assert dec.combined and dec.nf_gu == 32          # gate and up in one pass, 8 KiB rows
+    assert not pre.combined and pre.tb_max == 512 and pre.nf_gu == 8
+    assert pre.sbuf_bytes <= budget
+    assert pre.y_pipe == (tname == "trn3")           # Llama-3-8B on Trn2: one yT buffer
+    small = plan_mlp(2048, 4096, 14336, 2, False, 120_000)
+    assert small.tb_max < 512
+    with pytest.raises(ValueError, match=r"swiglu_mlp: hidden=4096, intermediate=200000 need "):
+        plan_mlp(2048, 4096, 200_000, 2, False, 190_000)
+
+
+# ---------------------------------------------------------------------------- refusals
+def test_rejects_shapes_and_dtypes(rng):
+    x, ws, kw = _inputs(rng, 4, 256, 128, norm=False, residual=False)
+    g, u, d = ws
+    with pytest.raises(ValueError, match=r"w_gate must be \[H, I\] with H = x.shape\[1\] = 256"):
+        swiglu_mlp(x, g[:128], u, d)
+    with pytest.raises(ValueError, match=r"w_up must have the shape of w_gate \[256, 128\]"):
+        swiglu_mlp(x, g, u[:, :64], d)
+    with pytest.raises(ValueError, match=r"w_down must be \[I, H\] = \[128, 256\]; got \[256, 128\]"):
+        swiglu_mlp(x, g, u, g)
+    with pytest.raises(TypeError, match=r"swiglu_mlp: x.dtype must be bfloat16; got float16"):
+        swiglu_mlp(x.astype(np.float16), g, u, d)
+    with pytest.raises(TypeError, match=r"w_up.dtype must equal w_gate.dtype \(bfloat16\); got "
+                                        r"float32"):
+        swiglu_mlp(x, g, u.astype(np.float32), d)
+    with pytest.raises(TypeError, match=r"w_gate.dtype must be bfloat16 or float8_e4m3 or "
+                                        r"float8_e4m3fn; got float32"):
+        swiglu_mlp(x, g.astype(np.float32), u, d)
+    with pytest.raises(ValueError, match=r"residual must have the shape of x \[4, 256\]"):
+        swiglu_mlp(x, g, u, d, residual=x[:2])
+    with pytest.raises(ValueError, match=r"norm_weight must be a vector of length 256"):
+        swiglu_mlp(x, g, u, d, norm_weight=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match=r"eps must be a positive float"):
+        swiglu_mlp(x, g, u, d, eps=-1.0)
+    with pytest.raises(ValueError, match=r"scale/up_scale/down_scale are only for FP8 weights"):
+        swiglu_mlp(x, g, u, d, gate_scale=np.ones(128, np.float32))
+
+
+def test_rejects_fp8_misuse(rng):
+    x, ws, kw = _fp8(rng, 4, 256, 256)
+    with pytest.raises(ValueError, match=r"FP8 weights need gate_scale \[I\], up_scale \[I\] and "
+                                         r"down_scale \[H\]"):
+        swiglu_mlp(x, *ws)
+    bad = dict(kw, down_scale=np.ones(7, np.float32))
+    with pytest.raises(ValueError, match=r"down_scale must be a vector of length 256"):
+        swiglu_mlp(x, *ws, **bad)
+    x2, ws2, kw2 = _fp8(rng, 4, 256, 256, E4M3FN)
+    with target("trn2"), pytest.raises(ValueError, match=r"float8_e4m3fn weights need Trn3"):
+        swiglu_mlp(x2, *ws2, **kw2)
+    with target("trn1"), pytest.raises(ValueError, match=r"FP8 weights need Trn2 or Trn3"):
+        swiglu_mlp(x, *ws, **kw)
+    x3, ws3, kw3 = _fp8(rng, 4, 200, 256)
+    with pytest.raises(ValueError, match=r"FP8 weights need hidden and intermediate sizes that "
+                                         r"are multiples of 128; got H=200, I=256"):
+        swiglu_mlp(x3, *ws3, **kw3)
