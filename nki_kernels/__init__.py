@@ -4,6 +4,7 @@ Every op takes NumPy arrays (or CPU torch tensors on the emulator; device tensor
 instance), validates its arguments, picks its kernel variant, and runs it on the backend chosen by
 ``nki_kernels.backend``.
 """
+from .attention.flash_attention import flash_attention
 from .matmul import matmul
 from .mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
 from .qkv_proj import QKVOutput, qkv_proj
@@ -11,5 +12,5 @@ from .rmsnorm_quant import rmsnorm_quant
 from .swiglu_mlp import swiglu_mlp
 
 __version__ = "0.1.0"
-__all__ = ["matmul", "qkv_proj", "QKVOutput", "swiglu_mlp", "rmsnorm_quant", "mxfp8_matmul",
-           "quantize_weights_mx", "MXTensor"]
+__all__ = ["matmul", "flash_attention", "qkv_proj", "QKVOutput", "swiglu_mlp", "rmsnorm_quant",
+           "mxfp8_matmul", "quantize_weights_mx", "MXTensor"]

@@ -385,8 +385,10 @@ MODELS = Tier(
                *(linear_of(DEEPSEEK_V3, m, "expert_up") for m in (1, 16, 64, 256, 1024))),
     attention=(
         attention_of(LLAMA3_8B, 2048), attention_of(LLAMA3_8B, 8192),
+        attention_of(LLAMA3_8B, 32768),
+        AttentionShape("llama-3-8b heads d=64 S=8192", 1, 8192, 8192, 32, 8, 64),
         attention_of(LLAMA3_70B_TP8, 8192), attention_of(GEMMA3_27B, 4096),
-        attention_of(GEMMA3_12B, 2048),
+        attention_of(GEMMA3_12B, 2048), attention_of(GEMMA3_12B, 8192),      # head_dim 256
     ),
     decode=(
         decode_of(LLAMA3_8B, 8192), decode_of(LLAMA3_8B, 2048, batch=8),
