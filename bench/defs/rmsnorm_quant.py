@@ -4,8 +4,9 @@ Shapes: ``reference.shapes`` tier ``.rmsnorm`` (tokens x hidden); shapes the op 
 multiple of 128, or of 512 for MX, T = 0 -- the ODD tier's edge cases) are left out: their
 refusals are tested, not benched. The MODELS tier carries the issue's prefill targets
 [2048 x 8192] and [32768 x 8192] (Llama-3-70B hidden). FLOPs and compulsory bytes (read x,
-write 1-byte data and the scales) come from ``reference.rmsnorm_quant``; the op is memory-bound on paper and engine-bound in practice,
-so the report's "bound in model" column names the engine that binds.
+write 1-byte data and the scales) come from ``reference.rmsnorm_quant``; the op is memory-bound
+on paper and engine-bound in practice, so the report's "bound in model" column names the engine
+that binds.
 """
 from __future__ import annotations
 
