@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._host import dtype_name as _dtype_name
+from ._host import is_torch as _is_torch
 from .backend import launch, nisa, nki, nl
 
 P = 128            # partitions, contraction tile
@@ -305,16 +307,6 @@ _SUPPORTED = ("bfloat16", "float16", "float32") + _FP8
 _ITEMSIZE = {"bfloat16": 2, "float32": 4}
 
 
-def _np_dtype_name(x):
-    import ml_dtypes
-    d = np.dtype(x.dtype)
-    for n in _SUPPORTED:
-        ref = np.dtype(getattr(ml_dtypes, n)) if n not in ("float16", "float32") else np.dtype(n)
-        if d == ref:
-            return n
-    return str(d)
-
-
 def matmul(a, b, *, out_dtype=None, lnc: int = 1):
     """``C = A @ B`` on a NeuronCore.
 
@@ -359,16 +351,6 @@ def matmul(a, b, *, out_dtype=None, lnc: int = 1):
     budget = _sbuf_budget()
     plan = plan_matmul(M, K, N, in_bytes, _ITEMSIZE[out_dtype], double_row, budget)
     return launch(matmul_kernel, a, b, out_nl, plan.nb, plan.decode, plan.double_row, lnc=lnc)
-
-
-def _is_torch(x):
-    return type(x).__module__.split(".")[0] == "torch"
-
-
-def _dtype_name(x):
-    if _is_torch(x):
-        return str(x.dtype).replace("torch.", "")
-    return _np_dtype_name(x)
 
 
 def _sbuf_budget():

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._host import dtype_name as _dtype_name
+from ._host import is_torch as _is_torch
 from .backend import launch, nisa, nki, nl
 
 P = 128            # partitions; x4 rows per contraction chunk
@@ -362,21 +364,6 @@ def _quantize_a_tile(a, a_q, a_s, ident, K, m0, mt):
 
 # ---------------------------------------------------------------------------------------- op
 _EMAX = {"e4m3fn": 8, "e5m2": 15}
-
-
-def _is_torch(x):
-    return type(x).__module__.split(".")[0] == "torch"
-
-
-def _dtype_name(x):
-    if _is_torch(x):
-        return str(x.dtype).replace("torch.", "")
-    import ml_dtypes
-    d = np.dtype(x.dtype)
-    for n in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3"):
-        if d == np.dtype(getattr(ml_dtypes, n)):
-            return n
-    return str(d)
 
 
 def _host(x):

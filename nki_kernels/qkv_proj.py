@@ -22,6 +22,8 @@ import numpy as np
 
 from . import _dense as D
 from ._dense import P, cdiv
+from ._host import dtype_name as _dtype_name
+from ._host import is_torch as _is_torch
 from .backend import launch, nisa, nki, nl
 
 DECODE_T_MAX = 128   # T < 128 tokens: one block, (head, token) lanes; see QKVPlan
@@ -802,21 +804,6 @@ def qkv_proj(x, w_qkv, *, n_q_heads, n_kv_heads, head_dim, bias=None, residual=N
 
 
 # ------------------------------------------------------------------------------- validation
-def _is_torch(x):
-    return type(x).__module__.split(".")[0] == "torch"
-
-
-def _dtype_name(x):
-    if _is_torch(x):
-        return str(x.dtype).replace("torch.", "")
-    import ml_dtypes
-    d = np.dtype(x.dtype)
-    for n in ("bfloat16", "float8_e4m3", "float8_e4m3fn", "float8_e5m2"):
-        if d == np.dtype(getattr(ml_dtypes, n)):
-            return n
-    return str(d)
-
-
 def _check_2d(op, name, a):
     shape = getattr(a, "shape", None)
     if shape is None or len(shape) != 2:

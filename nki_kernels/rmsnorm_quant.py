@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
+from ._host import dtype_name as _dtype_name
 from .backend import launch, nisa, nki, nl
 from .mxfp8_matmul import CHUNK, MXTensor
 
@@ -530,20 +529,6 @@ def _gamma_columns(gamma, KT):
 
 
 # ---------------------------------------------------------------------------------------- op
-def _is_torch(x):
-    return type(x).__module__.split(".")[0] == "torch"
-
-
-def _dtype_name(x):
-    if _is_torch(x):
-        return str(x.dtype).replace("torch.", "")
-    import ml_dtypes
-    d = np.dtype(x.dtype)
-    if d == np.dtype(ml_dtypes.bfloat16):
-        return "bfloat16"
-    return str(d)
-
-
 def _check(cond, msg):
     if not cond:
         raise ValueError(f"rmsnorm_quant: {msg}")

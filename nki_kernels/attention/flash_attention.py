@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._host import dtype_name as _dtype_name
+from .._host import is_torch as _is_torch
 from ..backend import launch, nisa, nki, nl
 from .masks import MaskSpec, mask_range_select, row_bounds
 from .schedule import assign_programs, gqa_heads, kv_chunks, prefill_units
@@ -740,20 +742,6 @@ def _bank_pieces(c0, c1):
 
 # ---------------------------------------------------------------------------------------- op
 _DTYPES = ("bfloat16", "float16")
-
-
-def _is_torch(x):
-    return type(x).__module__.split(".")[0] == "torch"
-
-
-def _dtype_name(x):
-    if _is_torch(x):
-        return str(x.dtype).replace("torch.", "")
-    import ml_dtypes
-    d = np.dtype(x.dtype)
-    if d == np.dtype(ml_dtypes.bfloat16):
-        return "bfloat16"
-    return str(d)
 
 
 def _check_inputs(q, k, v, causal, scale, window, softcap, sinks, k_layout, lnc):
