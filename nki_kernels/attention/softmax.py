@@ -1,6 +1,6 @@
 """Online softmax over key blocks: running max, running sum, rescale of the output accumulator.
 
-Kernel helpers (called inside an ``@nki.jit`` kernel) shared by flash attention, flash-decoding,
+Kernel helpers (called inside a jitted kernel) shared by flash attention, flash-decoding,
 paged attention and MLA decode. Rows live on partitions (one query row per partition); state
 tiles are fp32 SBUF.
 
