@@ -93,7 +93,7 @@ class Storage:
     """
 
     __slots__ = ("id", "buffer", "raw", "nbytes", "partitions", "row_bytes", "name", "core",
-                 "p0", "addr", "mm_written", "dtype", "site", "retired", "__weakref__")
+                 "p0", "addr", "mm_written", "dtype", "site", "retired", "pitch", "__weakref__")
 
     def __init__(self, buffer, nbytes, dtype, name="", partitions=1, row_bytes=None, core=None):
         self.id = next(_alloc_ids)
@@ -110,6 +110,7 @@ class Storage:
         self.dtype = dtype
         self.site = None       # allocating statement (kernel call stack), on-chip only
         self.retired = False   # space handed to a later allocation by the same statement
+        self.pitch = self.nbytes  # HBM: bytes of one row (last dim) of the allocated shape
 
     def __repr__(self):
         return f"<{self.buffer.name} alloc #{self.id} {self.name!r} {self.nbytes} B>"
@@ -420,6 +421,8 @@ def new_storage(buffer: MemoryRegion, shape, dtype: dt.NkiDtype, name="", addres
             st.mm_written = np.zeros(nbytes, dtype=bool)
     else:
         st = Storage(buffer, nbytes, dtype, name=name, core=core)
+        if len(shape) >= 2 and int(shape[-1]) > 0:
+            st.pitch = int(shape[-1]) * dtype.itemsize
     if fill:
         dt.sentinel_fill(st.raw, dtype)
     return st

@@ -21,8 +21,8 @@ class Operand:
     dtype: str
     itemsize: int
     shape: tuple
-    partitions: tuple    # on-chip (p_lo, p_hi); HBM: (0, 1)
-    extent: tuple        # on-chip: (lo, hi) byte range within each partition row; HBM: absolute bytes
+    partitions: tuple    # on-chip (p_lo, p_hi); HBM: rows (r_lo, r_hi) of the allocation's shape
+    extent: tuple        # (lo, hi) byte range within each partition row / HBM row
     contig_bytes: int    # bytes of the innermost contiguous run (DMA descriptor size)
     nbytes: int          # bytes this operand touches (elements * itemsize)
     indirect: bool = False
@@ -127,14 +127,35 @@ def operand(role, t) -> Operand:
         extent = (st.addr + lo * isz, st.addr + (hi + 1) * isz)
         parts = (p_lo, p_hi)
     else:
-        if t._vec is not None:
-            extent = (0, st.nbytes)  # any row may be touched
-        else:
-            lo, hi = t._bounds(off)
-            extent = (lo * isz, (hi + 1) * isz)
-        parts = (0, 1)
+        parts, extent = _hbm_rect(t, st, off, isz, dims)
     return Operand(role, st.buffer.name, st.id, t.dtype.name, isz, shape, parts, extent,
                    run * isz, nbytes, indirect, tuple(zip(strides, shape)))
+
+
+def _hbm_rect(t, st, off, isz, dims):
+    """An HBM access as a rectangle of the allocation: (rows, byte range within a row), rows of
+    ``st.pitch`` bytes (the last dim of the allocated shape). Column blocks of a row-major matrix
+    are then disjoint, as the addresses they touch are; the dependency edges of the cost model
+    come from these rectangles (a superset of the bytes touched, never a subset)."""
+    pitch = max(1, st.pitch)
+    if t._vec is not None:
+        return (0, max(1, -(-st.nbytes // pitch))), (0, pitch)      # any row may be touched
+    lo, hi = t._bounds(off)
+    b_lo, b_hi = lo * isz, (hi + 1) * isz
+    r0, c0 = divmod(off * isz, pitch)
+    r_lo = r_hi = 0
+    c_lo = c_hi = 0
+    for n, s in dims:
+        if n == 1:
+            continue
+        d = s * isz * (n - 1)
+        if (s * isz) % pitch == 0:
+            r_lo, r_hi = r_lo + min(d, 0) // pitch, r_hi + max(d, 0) // pitch
+        else:
+            c_lo, c_hi = c_lo + min(d, 0), c_hi + max(d, 0)
+    if 0 <= c0 + c_lo and c0 + c_hi + isz <= pitch:
+        return (r0 + r_lo, r0 + r_hi + 1), (c0 + c_lo, c0 + c_hi + isz)
+    return (b_lo // pitch, (b_hi - 1) // pitch + 1), (0, pitch)   # rows spanned, whole rows
 
 
 def record(engine, opcode, reads, writes, attrs=None, name=None):

@@ -311,6 +311,34 @@ def test_different_allocations_never_conflict_and_disjoint_regions_do_not_either
     assert deps == [(), (0,), (0,), (0, 1, 2), (0, 1, 2, 3), (), (3,)]
 
 
+def test_hbm_dependencies_are_rectangles_of_the_row_major_allocation():
+    """Column blocks of a row-major HBM matrix touch disjoint addresses: no edge between their
+    stores. Overlapping blocks, a later read of a block, and row-spanning flat views do order."""
+    @jit
+    def k(x):
+        t = nl.ndarray((16, 256), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)                                        # 0: R x
+        out = nl.ndarray((16, 1024), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[:, 0:256], src=t)                            # 1: W out cols 0..255
+        nisa.dma_copy(dst=out[:, 256:512], src=t)                          # 2: W cols 256..511
+        nisa.dma_copy(dst=out[:, 384:640], src=t)                          # 3: overlaps 2
+        u = nl.ndarray((16, 256), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=u, src=out[:, 0:256])                            # 4: R cols 0..255
+        nisa.dma_copy(dst=out[8:16, 768:1024], src=t[0:8])                 # 5: rows 8.., new cols
+        flat = out.reshape((16 * 1024 // 256, 256))                        # rows of 256 floats
+        nisa.dma_copy(dst=u, src=flat[0:16, :])                            # 6: R out rows 0..3
+        return out
+
+    with trace() as tr:
+        k(np.ones((16, 256), np.float32))
+    deps = dependencies(tr)
+    assert deps[1] == (0,) and deps[2] == (0,)          # disjoint column blocks: independent
+    assert 2 in deps[3]                                 # overlapping columns: WAW
+    assert deps[4] == (1,)                              # RAW on exactly the block written
+    assert deps[5] == (0,)                              # rows 8..15 of untouched columns
+    assert set(deps[6]) >= {1, 2, 3, 4}                 # whole rows 0..3 of the matrix: all
+
+
 def test_lnc2_programs_run_concurrently_and_share_the_stack():
     @jit
     def k(x):
