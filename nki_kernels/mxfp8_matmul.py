@@ -198,7 +198,10 @@ def mxfp8_matmul_kernel(a, a_scale, b, b_scale, K, a_x4, b_x4, out_dtype, nb, tn
         if b_bf16:
             _quantize_b_block(b, b_parts[0], b_s, K, n0, nbb)
         else:
-            _load_scale_tiles(b_scale, b_s, KT, n0, nbb)   # the block's scales: 4 long DMAs
+            if len(my_tiles) == 1:      # decode: weights stream, DMA binds, VectorE is idle
+                _load_scale_tiles_balanced(b_scale, b_s, KT, n0, nbb, groups)
+            else:
+                _load_scale_tiles(b_scale, b_s, KT, n0, nbb)   # the block's scales: 4 long DMAs
             for n1, tn in groups:                    # data: per matmul group and K half
                 for h, bp in enumerate(b_parts):
                     _load_data_tiles(b_q_hbm, bp[:, n1 // TILE:, :, :], KT, h * kh,
@@ -209,7 +212,14 @@ def mxfp8_matmul_kernel(a, a_scale, b, b_scale, K, a_x4, b_x4, out_dtype, nb, tn
             a_q, a_s = first if ai == my_tiles[0] else _a_tile(a, a_scale, a_q_hbm, a_x4, ident,
                                                                 K, KT, SL, M, ai)
             mtp = a_q.shape[3]
-            out_sb = nl.ndarray((mt, nbb), dtype=out_dtype, buffer=nl.sbuf)       # [mt, nbb]
+            # output rows at partitions 0..mt-1 would all go out through the DMA queues that
+            # also carry the scales; in decode, spread the column slots over the quadrants
+            # (engines may shift partitions by whole quadrants / halves, nki-spec §8.1 item 10)
+            decode = len(my_tiles) == 1 and len(groups) > 1
+            slots = (4 if mt <= 32 else 2 if mt <= 64 else 1) if decode else 1
+            out_sb = nl.ndarray((mt if slots == 1 else P, nbb), dtype=out_dtype,
+                                buffer=nl.sbuf)                            # [mt or 128, nbb]
+            stores = _stores(groups, nbb, slots)
             for j, (n1, tn) in enumerate(groups):
                 j0, j1 = n1 // TILE, -(-(n1 + tn) // TILE)                  # B tiles covered
                 acc = nl.ndarray((mtp, (j1 - j0) * TILE), dtype=nl.float32, buffer=nl.psum)
@@ -223,16 +233,40 @@ def mxfp8_matmul_kernel(a, a_scale, b, b_scale, K, a_x4, b_x4, out_dtype, nb, tn
                                       stationary_scale=a_s[o:P, 0, kt // 4, :],
                                       moving_scale=b_s[o:P, j0:j1, kt // 4, :],
                                       accumulate=(kt > 0))
+                base = (P // slots) * stores[j][0]
                 eng = nisa.engine.vector if j % 2 == 0 else nisa.engine.scalar
-                nisa.tensor_copy(dst=out_sb[:, n1:n1 + tn], src=acc[0:mt, 0:tn], engine=eng)
-                if j == max(0, len(groups) - 3):
-                    # all but the last two (narrow) groups leave before they are computed
-                    nisa.dma_copy(dst=c[m0:m0 + mt, n0:n0 + n1 + tn], src=out_sb[:, 0:n1 + tn])
-                    stored = n1 + tn
-            if len(groups) == 1:
-                stored = 0
-            nisa.dma_copy(dst=c[m0:m0 + mt, n0 + stored:n0 + nbb], src=out_sb[:, stored:nbb])
+                nisa.tensor_copy(dst=out_sb[base:base + mt, n1:n1 + tn], src=acc[0:mt, 0:tn],
+                                 engine=eng)
+                if stores[j][1] is not None:
+                    c0, c1 = stores[j][1]
+                    nisa.dma_copy(dst=c[m0:m0 + mt, n0 + c0:n0 + c1],
+                                  src=out_sb[base:base + mt, c0:c1])
     return c
+
+
+def _stores(groups, nbb, slots):
+    """Per group: (output slot, columns [c0, c1) to store once it is evicted, or None).
+
+    One slot: all but the last two (narrow) groups leave before those are computed, the rest at
+    the end. Several slots (decode): slot s holds the groups starting in its share of the
+    columns and leaves after its last group."""
+    if slots == 1:
+        cut = max(0, len(groups) - 3)
+        n1, tn = groups[cut]
+        out = [(0, None)] * len(groups)
+        if len(groups) > 1:
+            out[cut] = (0, (0, n1 + tn))
+        done = n1 + tn if len(groups) > 1 else 0
+        if done < nbb:
+            out[-1] = (0, (done, nbb))
+        return out
+    slot = [min(slots - 1, n1 * slots // nbb) for n1, _ in groups]
+    out = []
+    for j, (n1, tn) in enumerate(groups):
+        last = j + 1 == len(groups) or slot[j + 1] != slot[j]
+        first = min(g for g, s_ in zip(groups, slot) if s_ == slot[j])[0]
+        out.append((slot[j], (first, n1 + tn) if last else None))
+    return out
 
 
 def _groups(nbb, tn_max):
@@ -300,6 +334,38 @@ def _load_scale_tiles(s_hbm, s_sb, KT, f0, fw):
                           src=rows[:, SL * (f0 + full * TILE):SL * (f0 + fw)])
 
 
+def _load_scale_tiles_balanced(s_hbm, s_sb, KT, f0, fw, groups):
+    """As :func:`_load_scale_tiles`, with the DMA work spread over all 16 queues.
+
+    Scales must sit at partitions 0..15 of each quadrant, which are served by DMA queues 4Q and
+    4Q+1 only (8 partitions per queue); the A tile's scales and the output rows land there too.
+    So only the first quarter of the full tiles (the first group's, needed first) is loaded in
+    place; the rest goes to partitions 16..31 of a staging tile (queues 4Q+2, 4Q+3) and
+    ``nc_stream_shuffle`` (VectorE, within each quadrant) moves it down 16 partitions, one
+    shuffle per matmul group so that the early groups do not wait for the late ones.
+    """
+    SL = -(-KT // 4)
+    full = fw // TILE
+    direct = max(1, -(-full // 4)) if full > 1 else full
+    _load_scale_tiles(s_hbm, s_sb[:, 0:direct], KT, f0, direct * TILE)
+    if fw > full * TILE:                                  # ragged last tile: in place
+        _load_scale_tiles(s_hbm, s_sb[:, full:full + 1], KT, f0 + full * TILE, fw - full * TILE)
+    ns = full - direct
+    if ns <= 0:
+        return
+    stage = nl.ndarray((P, ns, SL, TILE), dtype=nl.uint8, buffer=nl.sbuf)  # [128, ns, SL, 128]
+    for Q in range(4):
+        nisa.dma_copy(dst=stage[32 * Q + 16:32 * Q + 32, :, :, :],
+                      src=s_hbm[16 * Q:16 * Q + 16, SL * (f0 + direct * TILE):SL * (f0 + full * TILE)])
+    down = [16 + i for i in range(16)] + [255] * 16       # dst row i <- src row 16 + i
+    for n1, tn in groups:
+        j0 = max(direct, n1 // TILE)
+        j1 = min(full, -(-(n1 + tn) // TILE))
+        if j1 > j0:
+            nisa.nc_stream_shuffle(dst=s_sb[:, j0:j1, :, :], src=stage[:, j0 - direct:j1 - direct, :, :],
+                                   shuffle_mask=down)
+
+
 def _load_tiles(q_hbm, s_hbm, q_sb, s_sb, KT, f0, fw):
     """Columns [f0, f0+fw) (f0 a multiple of 128) of an MX-tile-layout operand -> SBUF
     q_sb [128, nt, KT, 128] x4 and s_sb [128, nt, SL, 128] (quadrant scale image). Full tiles move
@@ -345,16 +411,30 @@ def _quantize_b_block(b, b_q, b_s, K, n0, nbb):
 
 
 def _quantize_a_tile(a, a_q, a_s, ident, K, m0, mt):
-    """bf16 A[m0:m0+mt, :] -> a_q [128, 1, KT, mtp] x4 (A.T) + a_s, via TensorE transposes."""
-    a_sb = nl.ndarray((mt, K), dtype=a.dtype, buffer=nl.sbuf)                 # [mt, K]
-    nisa.dma_copy(dst=a_sb, src=a[m0:m0 + mt, :])
-    for kt in range(-(-K // CHUNK)):
+    """bf16 A[m0:m0+mt, :] -> a_q [128, 1, KT, mtp] x4 (A.T) + a_s, via TensorE transposes.
+
+    A tile of <= 64 rows (decode) is spread over the quadrants (<= 32 rows) or halves: chunks
+    [Q*cq, (Q+1)*cq) at partitions Q*128/nq.. (the start rule of nki-spec §8.1 item 10). Its load
+    then uses all the DMA queues it can rather than the first few, and each transpose takes the
+    identity block on the same partitions as its input."""
+    KT = -(-K // CHUNK)
+    nq = min(KT, 4 if mt <= 32 else 2 if mt <= 64 else 1)
+    cq = -(-KT // nq)                                  # chunks per quadrant
+    a_sb = nl.ndarray((P if nq > 1 else mt, cq * CHUNK), dtype=a.dtype, buffer=nl.sbuf)
+    for Q in range(nq):                            # [128Q/nq + m, k] = A[m0 + m, Q*cq*512 + k]
+        k0, k1 = Q * cq * CHUNK, min(K, (Q + 1) * cq * CHUNK)
+        if k1 > k0:
+            nisa.dma_copy(dst=a_sb[P // nq * Q:P // nq * Q + mt, 0:k1 - k0],
+                          src=a[m0:m0 + mt, k0:k1])
+    for kt in range(KT):
         kk = min(P, (K - kt * CHUNK) // 4)
+        Q, c0 = kt // cq, (kt % cq) * CHUNK
+        p0 = P // nq * Q
         tp = nl.ndarray((kk, 4, mt), dtype=a.dtype, buffer=nl.psum)            # [kk, 4, mt]
         for q in range(4):
             nisa.nc_matmul(dst=tp[:, q, :],
-                           stationary=a_sb[:, kt * CHUNK + q:kt * CHUNK + 4 * kk:4],  # [mt, kk]
-                           moving=ident[0:mt, 0:mt], is_transpose=True)
+                           stationary=a_sb[p0:p0 + mt, c0 + q:c0 + 4 * kk:4],   # [mt, kk]
+                           moving=ident[p0:p0 + mt, p0:p0 + mt], is_transpose=True)
         aT = nl.ndarray((kk, mt, 4), dtype=a.dtype, buffer=nl.sbuf)           # [kk, mt, 4]
         eng = nisa.engine.scalar if kt % 2 else nisa.engine.vector
         nisa.tensor_copy(dst=aT.permute((0, 2, 1)), src=tp, engine=eng)

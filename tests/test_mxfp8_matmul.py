@@ -75,6 +75,20 @@ def test_operand_forms_agree(rng):
         assert np.array_equal(o, outs[0])
 
 
+@pytest.mark.parametrize("M", [1, 16, 40, 100])
+def test_decode_paths(rng, M):
+    """One A tile (decode): B scales partly staged and shuffled down a quadrant, output columns
+    in 4 / 2 / 1 quadrant slots, a bf16 A tile spread over quadrants or halves; a partial last
+    chunk (K = 4.75 x 512) and a ragged last B tile. Every operand form gives the same bits."""
+    K, N = 2432, 1100
+    a, b = inputs(rng, M, K, N)
+    ref, da, db = mxfp8_matmul_ref(a, b, out_dtype="float32")
+    outs = [mm(x, y, out_dtype="float32") for x in (a, mx_of(a.T)) for y in (b, mx_of(b))]
+    assert_matmul_close(outs[0], da, db)
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0])
+
+
 @pytest.mark.parametrize("side", ["a", "b"])
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
 def test_in_kernel_quantization_is_exact(rng, side, fmt):
