@@ -9,8 +9,8 @@ from .matmul import matmul
 from .mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
 from .qkv_proj import QKVOutput, qkv_proj
 from .rmsnorm_quant import rmsnorm_quant
-from .swiglu_mlp import swiglu_mlp
+from .swiglu_mlp import swiglu_mlp, tile_weight
 
 __version__ = "0.1.0"
-__all__ = ["matmul", "flash_attention", "qkv_proj", "QKVOutput", "swiglu_mlp", "rmsnorm_quant",
-           "mxfp8_matmul", "quantize_weights_mx", "MXTensor"]
+__all__ = ["matmul", "flash_attention", "qkv_proj", "QKVOutput", "swiglu_mlp", "tile_weight",
+           "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "MXTensor"]

@@ -386,23 +386,29 @@ def k_chunks(KT, kb, step=1):
     return out
 
 
-def prefetch_weights(ws, K, kb, c0, ncols, double_row=False):
+def prefetch_weights(ws, K, kb, c0, ncols, double_row=False, tiled=False):
     """The first transfer of a pass, issued ahead of everything else (decode: it is the head of
     the weight stream). Pass the result to ``gemm_pass(first=...)``."""
     step = 2 if double_row else 1
     KTe = cdiv(K, P) + (cdiv(K, P) % 2 if double_row else 0)
     kb = max(step, kb - kb % step)
     k0, kn = k_chunks(KTe, kb, step)[0]
+    if tiled:
+        k0, kn = _tile_chunks(KTe, kb, step)[0]
+        return [_load_weight_tile(w, c0 // P, k0, kn) for w in ws]
     return [_load_weight_rows(w, K, k0, kn, c0, ncols, double_row) for w in ws]
 
 
-def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None):
+def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, tiled=False):
     """Weight-stationary GEMM pass: for each weight ``w [K, N]`` in ``ws``,
     ``acc[f][0:nn_f, 0:T] = w[:, cols_f].T @ x[0:T, :].T`` accumulated over K in PSUM.
 
     ``widths``: feature tile widths (each <= 128) of the columns ``[c0, c0 + sum(widths))``.
     ``xT [128, KT, >=T]`` holds the activations transposed (contraction on partitions).
     Weight rows are streamed from HBM ``kb`` k-tiles per DMA (runs of ``sum(widths)`` elements).
+    tiled: the weights are in the tile-major layout of :func:`tile_weight` (``[N/128, 128, KTe,
+    128]``); each DMA then moves ``kb`` k-tiles of one feature tile, one run of ``kb * 128``
+    elements per partition whatever the pass width.
     double_row: FP8 operands, k-tiles paired into a contraction of 256 (``xT`` and the weights
     padded with zeros to an even number of k-tiles).
     Returns one PSUM tensor ``[128, nf, Tp]`` fp32 per weight.
@@ -415,17 +421,26 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None):
     perf = nisa.matmul_perf_mode.double_row if double_row else nisa.matmul_perf_mode.none
     accs = [nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum) for _ in ws]  # [128, nf, Tp]
     kb = max(step, kb - kb % step)
-    for ci, (k0, kn) in enumerate(k_chunks(KTe, kb, step)):
-        if ci == 0 and first is not None:
+    chunks = k_chunks(KTe, kb, step)
+    # (k-chunk, feature tiles it feeds, column offset of the tiles in its SBUF tile)
+    if tiled:   # chunk by chunk (the next GEMM may wait for its input chunk by chunk)
+        work = [(ch, [f], 0) for ch in _tile_chunks(KTe, kb, step) for f in range(nf)]
+    else:
+        work = [(ch, list(range(nf)), None) for ch in chunks]
+    for wi, ((k0, kn), fs, _) in enumerate(work):
+        if wi == 0 and first is not None:
             w_sbs = first
+        elif tiled:
+            w_sbs = [_load_weight_tile(w, c0 // P + fs[0], k0, kn) for w in ws]
         else:
             w_sbs = [_load_weight_rows(w, K, k0, kn, c0, ncols, double_row) for w in ws]
         for j in range(0, kn, step):
             kt = k0 + j
             kk = P if double_row else min(P, K - kt * P)
             for w_sb, acc in zip(w_sbs, accs):
-                off = 0
-                for f, nn in enumerate(widths):
+                for f in fs:
+                    nn = widths[f]
+                    off = 0 if tiled else sum(widths[:f])
                     if double_row:
                         stat = w_sb[:, j:j + 2, off:off + nn]                  # [128, 2, nn]
                         mov = xT[:, kt:kt + 2, 0:T]                            # [128, 2, T]
@@ -434,8 +449,47 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None):
                         mov = xT[0:kk, kt, 0:T]                                # [kk, T]
                     nisa.nc_matmul(dst=acc[0:nn, f, 0:T], stationary=stat, moving=mov,
                                    accumulate=(kt > 0), perf_mode=perf)
-                    off += nn
     return accs
+
+
+def _tile_chunks(KTe, kb, step):
+    """Balanced k-chunks of at most ``kb`` k-tiles (tile-major weights: every run is long; the
+    last transfer of a pass is one tile's chunk, small anyway)."""
+    size = cdiv(KTe // step, cdiv(KTe, kb)) * step
+    return [(k0, min(size, KTe - k0)) for k0 in range(0, KTe, size)]
+
+
+def _load_weight_tile(w, ft, k0, kn):
+    """Tile-major weight ``w[ft, p, k0:k0+kn, :]`` -> SBUF ``[128, kn, 128]``: one contiguous run
+    of ``kn * 128`` elements per partition (zero rows past K are part of the layout)."""
+    w_sb = nl.ndarray((P, kn, P), dtype=w.dtype, buffer=nl.sbuf)            # [128, kn, 128]
+    nisa.dma_copy(dst=w_sb, src=w[ft, :, k0:k0 + kn, :])
+    return w_sb
+
+
+def tile_weight(w):
+    """A weight ``w [K, N]`` (K, N multiples of 128; bf16 or FP8; NumPy or CPU torch) in the
+    tile-major layout the dense kernels stream at full DMA efficiency: ``[N/128, 128, KTe, 128]``
+    with ``out[f, p, kt, c] = w[kt*128 + p, f*128 + c]``, KTe = K/128 rounded up to even (a zero
+    k-tile for FP8 double_row). Host-side, once per weight (at model load)."""
+    shape = tuple(getattr(w, "shape", ()))
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1 or shape[0] % P or shape[1] % P:
+        raise ValueError(f"tile_weight: w must be 2-D [K, N] with K and N positive multiples of "
+                         f"128; got shape {list(shape)}")
+    K, N = shape
+    KT = K // P
+    KTe = KT + KT % 2
+    if type(w).__module__.startswith("torch"):
+        import torch
+        u = w.detach().contiguous()
+        out = torch.zeros((N // P, P, KTe, P), dtype=u.dtype)
+        out[:, :, 0:KT, :] = u.reshape(KT, P, N // P, P).permute(2, 1, 0, 3)
+        return out
+    import numpy as np
+    a = np.asarray(w)
+    out = np.zeros((N // P, P, KTe, P), dtype=a.dtype)
+    out[:, :, 0:KT, :] = a.reshape(KT, P, N // P, P).transpose(2, 1, 0, 3)
+    return out
 
 
 def _load_weight_rows(w, K, k0, kn, c0, ncols, double_row):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import _dense as D
-from ._dense import P, cdiv
+from ._dense import P, cdiv, tile_weight
 from .backend import launch, nisa, nki, nl
 from .qkv_proj import _check_2d, _check_dtype, _dtype_name, _sbuf_budget, _vector
 
@@ -38,7 +38,8 @@ class MLPPlan:
       [128, Tp] fp32 fit PSUM, i.e. tb <= 256); else a gate pass then an up pass per I-block,
       so each pass still reads weight rows in 2 KiB runs.
     nf_gu, nf_d: feature tiles per pass for gate/up and for down.
-    kb_gu, kb_d: weight k-tiles per DMA.
+    kb_gu, kb_d: weight k-tiles per DMA (tiled: of one feature tile, ~4 KiB per partition).
+    tiled: weights in the tile-major layout of ``tile_weight``.
     """
 
     T: int
@@ -53,9 +54,10 @@ class MLPPlan:
     fp8: bool
     y_pipe: bool
     sbuf_bytes: int
+    tiled: bool = False
 
 
-def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget) -> MLPPlan:
+def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget, tiled=False) -> MLPPlan:
     """Largest token block (multiple of 64, <= 512) whose SBUF fits, preferring a double-
     buffered y epilogue at equal block size."""
     KT, KI = cdiv(H, P), cdiv(I, P)
@@ -67,8 +69,9 @@ def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget) -> MLPPlan:
         ncap = NCOLS_MAX // P
         nf_gu = min(D.max_tiles_per_pass(tb, 2 if combined else 1), ncap, KI)
         nf_d = min(D.max_tiles_per_pass(tb, 1), ncap, KT)
-        kb_gu = D.k_tiles_per_dma(nf_gu * P, w_bytes, H, 4096)
-        kb_d = D.k_tiles_per_dma(nf_d * P, w_bytes, I, 4096)
+        cols_gu, cols_d = (P, P) if tiled else (nf_gu * P, nf_d * P)   # per weight transfer
+        kb_gu = D.k_tiles_per_dma(cols_gu, w_bytes, H, 4096)
+        kb_d = D.k_tiles_per_dma(cols_d, w_bytes, I, 4096)
         nw = 2 if combined else 1
         hT = KI * tb * a_bytes
         fixed = 4 * (KT + 2 * KI) + 2 * 1024          # norm weight / scales, identities
@@ -78,16 +81,16 @@ def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget) -> MLPPlan:
             fixed += H * 4 + 3 * tb * 4 + 7 * H
             h_gu = KI * tb * 3
         # gate/up phase: xT, h, weight ring (3 transfers in flight), silu(gate)
-        gu = (KT * tb * a_bytes + h_gu + 3 * nw * kb_gu * nf_gu * P * w_bytes
+        gu = (KT * tb * a_bytes + h_gu + 3 * nw * kb_gu * cols_gu * w_bytes
               + nf_gu * tb * (8 if fp8 else 4))
         for ybuf in (2, 1):
             # down phase: hT, the next block's rows, weight ring, yT buffers, y / residual rows
-            dn = (hT + rows + 3 * kb_d * nf_d * P * w_bytes + ybuf * nf_d * tb * 4
+            dn = (hT + rows + 3 * kb_d * cols_d * w_bytes + ybuf * nf_d * tb * 4
                   + 2 * nf_d * P * 2 * 2)
             sb = fixed + max(gu, dn)
             if sb <= sbuf_budget:
                 return MLPPlan(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, fp8,
-                               ybuf == 2, sb)
+                               ybuf == 2, sb, tiled)
             best = sb if best is None else min(best, sb)
         if tb < 64:
             break
@@ -98,7 +101,7 @@ def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget) -> MLPPlan:
 # ------------------------------------------------------------------------------------ kernel
 @nki.jit
 def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s_down, eps,
-                      tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe):
+                      tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, tiled=False):
     """``y = residual + (silu(xn @ Wg) * (xn @ Wu)) @ Wd`` with ``xn = rmsnorm(x) * gamma``.
 
     Dimensions:
@@ -106,6 +109,8 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
     Args:
       x: [T, H] bf16 HBM.  w_gate, w_up: [H, I] HBM.  w_down: [I, H] HBM; bf16, or FP8 with
         s_gate, s_up: [I] fp32 and s_down: [H] fp32 per-output-channel scales (else None).
+        tiled: the three weights are in the tile-major layout of ``tile_weight``
+        ([I/128, 128, KTe(H), 128] and [H/128, 128, KTe(I), 128]).
       norm_w: [H] fp32 HBM or None (no RMSNorm).  residual: [T, H] bf16 HBM or None.
       eps: RMSNorm epsilon.  tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe: from MLPPlan.
     Returns:
@@ -124,7 +129,7 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
           y[t, j] = transpose(yT)[t, j] + residual[t, j]   # PE transposes (fp32), DMA out
     """
     T, H = x.shape
-    I = w_gate.shape[1]
+    I = w_gate.shape[0] * P if tiled else w_gate.shape[1]
     KI = cdiv(I, P)
     fp8 = s_gate is not None
     y = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
@@ -132,7 +137,7 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
     gu_passes = D.group_passes(gu_tiles, nf_gu)
     i0, i1 = gu_passes[0]
     first = D.prefetch_weights([w_gate, w_up] if combined else [w_gate], H, kb_gu,
-                               gu_tiles[i0][0], sum(t[1] for t in gu_tiles[i0:i1]), fp8)
+                               gu_tiles[i0][0], sum(t[1] for t in gu_tiles[i0:i1]), fp8, tiled)
     ident = D.identity(nl.bfloat16)
     ident_f = D.identity(nl.float32)
     gamma_T = D.load_col_vector(norm_w, H, nl.float32, ident=ident_f) if norm_w is not None \
@@ -148,7 +153,8 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
     norm = norm_w is not None
     blocks = D.token_blocks(T, tb_max)
     rows_next = D.x_rows_normalised(x, blocks[0][0], blocks[0][1], None, None, norm, eps)
-    xT, A = _x_block(rows_next, blocks[0][1], H, gamma_T, ident, ident_f, q, w_gate.dtype)
+    xT, A = _x_block(_x_quantize(rows_next, q), blocks[0][1], H, gamma_T, ident, ident_f, q,
+                     w_gate.dtype)
     rows_next = None
     pending = None
     ev = [0]
@@ -164,16 +170,18 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
             c0 = gu_tiles[i0][0]
             if combined:
                 acc_g, acc_u = D.gemm_pass([w_gate, w_up], xT, H, tb, Tp, widths, c0, kb_gu, fp8,
-                                           first)
+                                           first, tiled)
                 first = None
                 sg = _silu_evict(acc_g, widths, tb, q, A, i0)
                 del acc_g
             else:
-                acc_g = D.gemm_pass([w_gate], xT, H, tb, Tp, widths, c0, kb_gu, fp8, first)[0]
+                acc_g = D.gemm_pass([w_gate], xT, H, tb, Tp, widths, c0, kb_gu, fp8, first,
+                                    tiled)[0]
                 first = None
                 sg = _silu_evict(acc_g, widths, tb, q, A, i0)
                 del acc_g
-                acc_u = D.gemm_pass([w_up], xT, H, tb, Tp, widths, c0, kb_gu, fp8)[0]
+                acc_u = D.gemm_pass([w_up], xT, H, tb, Tp, widths, c0, kb_gu, fp8,
+                                    tiled=tiled)[0]
             if fp8:
                 hp = nl.ndarray((P, i1 - i0, tb), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, nf, tb]
                 _gate_evict(hp, sg, acc_u, widths, tb, q, i0, 0)
@@ -194,10 +202,14 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
         for pi, (j0, j1) in enumerate(dpasses):
             widths = [d_tiles[j][1] for j in range(j0, j1)]
             c0 = d_tiles[j0][0]
-            acc = D.gemm_pass([w_down], hT, I, tb, Tp, widths, c0, kb_d, fp8)[0]
+            acc = D.gemm_pass([w_down], hT, I, tb, Tp, widths, c0, kb_d, fp8, tiled=tiled)[0]
             yT = nl.ndarray((P, j1 - j0, tb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nf, tb]
             _evict_y(yT, acc, widths, tb, q, B, j0, ev)
             del acc
+            if pi == 0 and bi + 1 < len(blocks):
+                # FP8: the next block's per-token quantization (VectorE) after the first pass's
+                # evictions, so it overlaps this block's down GEMM
+                rows_next = _x_quantize(rows_next, q)
             if pi + 1 == len(dpasses) and bi + 1 < len(blocks):
                 # the next block's transposes go ahead of the pending epilogue
                 xT, A = _x_block(rows_next, blocks[bi + 1][1], H, gamma_T, ident, ident_f, q,
@@ -216,13 +228,18 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
     return y
 
 
+def _x_quantize(rows, q):
+    """FP8: rows of a token block quantized per token (VectorE), with their scale columns."""
+    return rows if q is None else q.quantize_rows(rows)
+
+
 def _x_block(rows, tb, H, gamma_T, ident, ident_f, q, wdtype):
-    """Rows of a token block -> (xT [128, KT(e), tb], per-token scales A or None). FP8: rows
-    quantized per token first, xT in the weights' FP8 format with double_row padding."""
+    """``_x_quantize`` output -> (xT [128, KT(e), tb], per-token scales A or None) on TensorE.
+    FP8: xT in the weights' FP8 format with double_row padding."""
     if q is None:
         return D.x_transposed(rows, tb, H, gamma_T, ident), None
-    rows, A = q.quantize_rows(rows, tb, ident_f)
-    return D.x_transposed(rows, tb, H, None, ident, wdtype, True), A
+    A = q.row_scales(rows, tb, ident_f)
+    return D.x_transposed([r[:3] for r in rows], tb, H, None, ident, wdtype, True), A
 
 
 class _Fp8:
@@ -260,10 +277,9 @@ class _Fp8:
         nisa.tensor_copy(dst=out, src=ps)
         return out
 
-    def quantize_rows(self, subs, tb, ident_f):
+    def quantize_rows(self, subs):
         """Token-major rows xn [ts, H] -> FP8-valued bf16 rows (for the PE transposes) and the
-        row-broadcast scales A [128, tb]."""
-        a_row = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)       # [1, tb]
+        per-token scale columns (VectorE only; ``row_scales`` turns them into a row tile)."""
         out = []
         for s0, ts, xn in subs:
             H = xn.shape[1]
@@ -281,11 +297,18 @@ class _Fp8:
             nisa.tensor_scalar(dst=xq, data=xg, op0=nl.multiply, operand0=inv)
             xqb = nl.ndarray((ts, H), dtype=nl.bfloat16, buffer=nl.sbuf)       # [ts, H]
             nisa.tensor_copy(dst=xqb, src=xq)
-            out.append((s0, ts, xqb))
+            out.append((s0, ts, xqb, sc))
+        return out
+
+    def row_scales(self, subs, tb, ident_f):
+        """The scale columns of ``quantize_rows`` -> row-broadcast scales A [128, tb]
+        (TensorE transposes, then a K=1 broadcast matmul)."""
+        a_row = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)       # [1, tb]
+        for s0, ts, _, sc in subs:
             tp = nl.ndarray((1, ts), dtype=nl.float32, buffer=nl.psum)         # [1, ts]
             nisa.nc_matmul(dst=tp, stationary=sc, moving=ident_f[0:ts, 0:ts], is_transpose=True)
             nisa.tensor_copy(dst=a_row[:, s0:s0 + ts], src=tp)
-        return out, self._broadcast(a_row, tb)
+        return self._broadcast(a_row, tb)
 
     def track_max(self, hmax, hp, tb, first):
         """hmax[p, t] = max over the pass's tiles (and earlier passes) of |h|."""
@@ -311,9 +334,13 @@ class _Fp8:
         hq = nl.ndarray((P, KIe, tb), dtype=self.dtype, buffer=nl.sbuf)      # [128, KIe, tb]
         if KIe > KI:
             nisa.memset(dst=hq[:, KI:KIe, :], value=0.0)
-        for i0, i1, hp in h_parts:
+        for n, (i0, i1, hp) in enumerate(h_parts):
+            # VectorE and GpSimd (SBUF operands only) alternate: the down GEMM consumes the
+            # parts in order, faster than one engine alone produces them
+            eng = nisa.engine.gpsimd if n % 2 else nisa.engine.vector
             nisa.tensor_tensor(dst=hq[:, i0:i1, :], data1=hp,
-                               data2=Binv.expand_dim(1).broadcast(1, i1 - i0), op=nl.multiply)
+                               data2=Binv.expand_dim(1).broadcast(1, i1 - i0), op=nl.multiply,
+                               engine=eng)
         return hq, B
 
 
@@ -424,7 +451,9 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
       x: [T, H] bfloat16 (NumPy / ml_dtypes or CPU torch).
       w_gate, w_up: [H, I]; w_down: [I, H]. All bfloat16, or all FP8 (float8_e4m3; on Trn3
         also float8_e4m3fn) with per-output-channel scales gate_scale, up_scale [I] and
-        down_scale [H] (the dequantized weight is w * scale[column]).
+        down_scale [H] (the dequantized weight is w * scale[column]). Or all three passed
+        through ``tile_weight`` once at load time (H, I multiples of 128): the tile-major
+        layout streams in long DMA runs; the fast path for FP8 prefill on Trn2 (docs/dense.md).
       norm_weight: optional [H] RMSNorm weight in front (eps its epsilon). None = no norm.
       residual: optional [T, H] bfloat16 added to the output (pass x for x + mlp(norm(x))).
     Returns:
@@ -433,15 +462,20 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
     name = "swiglu_mlp"
     T, H = _check_2d(name, "x", x)
     _check_dtype(name, "x", x, ("bfloat16",))
-    Hg, I = _check_2d(name, "w_gate", w_gate)
-    if Hg != H:
-        raise ValueError(f"{name}: w_gate must be [H, I] with H = x.shape[1] = {H}; got "
-                         f"{list(w_gate.shape)}")
-    if tuple(w_up.shape) != (H, I):
-        raise ValueError(f"{name}: w_up must have the shape of w_gate {[H, I]}; got "
-                         f"{list(w_up.shape)}")
-    if tuple(w_down.shape) != (I, H):
-        raise ValueError(f"{name}: w_down must be [I, H] = {[I, H]}; got {list(w_down.shape)}")
+    tiled = len(getattr(w_gate, "shape", ())) == 4
+    if tiled:
+        I = _check_tiled(name, H, w_gate, w_up, w_down)
+    else:
+        Hg, I = _check_2d(name, "w_gate", w_gate)
+        if Hg != H:
+            raise ValueError(f"{name}: w_gate must be [H, I] with H = x.shape[1] = {H}; got "
+                             f"{list(w_gate.shape)}")
+        if tuple(w_up.shape) != (H, I):
+            raise ValueError(f"{name}: w_up must have the shape of w_gate {[H, I]}; got "
+                             f"{list(w_up.shape)}")
+        if tuple(w_down.shape) != (I, H):
+            raise ValueError(f"{name}: w_down must be [I, H] = {[I, H]}; got "
+                             f"{list(w_down.shape)}")
     wdt = _check_dtype(name, "w_gate", w_gate, ("bfloat16",) + _FP8)
     for a, w in (("w_up", w_up), ("w_down", w_down)):
         got = _dtype_name(w)
@@ -478,10 +512,34 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
                              f"{list(residual.shape)}")
         _check_dtype(name, "residual", residual, ("bfloat16",))
     wb = 1 if fp8 else 2
-    plan = plan_mlp(T, H, I, wb, fp8, _sbuf_budget())
+    plan = plan_mlp(T, H, I, wb, fp8, _sbuf_budget(), tiled)
     return launch(swiglu_mlp_kernel, x, w_gate, w_up, w_down, norm_weight, residual,
                   sc[0], sc[1], sc[2], float(eps), plan.tb_max, plan.combined, plan.nf_gu,
-                  plan.nf_d, plan.kb_gu, plan.kb_d, plan.y_pipe)
+                  plan.nf_d, plan.kb_gu, plan.kb_d, plan.y_pipe, tiled)
 
 
-__all__ = ["swiglu_mlp", "swiglu_mlp_kernel", "plan_mlp", "MLPPlan"]
+def _check_tiled(name, H, w_gate, w_up, w_down):
+    """Shapes of tile-major weights (``tile_weight``); returns I."""
+    def kte(k):
+        return k // P + (k // P) % 2
+    for a, w in (("w_up", w_up), ("w_down", w_down)):
+        if len(getattr(w, "shape", ())) != 4:
+            raise ValueError(f"{name}: w_gate is tile-major (4-D, tile_weight) so {a} must be "
+                             f"too; got shape {list(getattr(w, 'shape', ()))}")
+    if H % P:
+        raise ValueError(f"{name}: tile-major weights need a hidden size that is a multiple of "
+                         f"128; got H={H}")
+    nt = int(w_gate.shape[0])
+    I = nt * P
+    want = {"w_gate": (nt, P, kte(H), P), "w_up": (nt, P, kte(H), P),
+            "w_down": (H // P, P, kte(I), P)}
+    for a, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if tuple(w.shape) != want[a]:
+            raise ValueError(f"{name}: tile-major {a} must have shape {list(want[a])} "
+                             f"(tile_weight of a [{'H, I' if a != 'w_down' else 'I, H'}] = "
+                             f"[{H if a != 'w_down' else I}, {I if a != 'w_down' else H}] "
+                             f"weight); got {list(w.shape)}")
+    return I
+
+
+__all__ = ["swiglu_mlp", "swiglu_mlp_kernel", "plan_mlp", "MLPPlan", "tile_weight"]

@@ -9,7 +9,7 @@ from nki_kernels.emulator import target
 from nki_kernels.reference.compare import assert_rows_close, cosine_similarity
 from nki_kernels.reference.shapes import FAST, LLAMA3_8B, LLAMA3_70B_TP8, MODELS, ODD
 from nki_kernels.reference.swiglu_mlp import quantize_fp8_per_channel, quantize_per_token, swiglu_mlp_ref
-from nki_kernels.swiglu_mlp import plan_mlp, swiglu_mlp
+from nki_kernels.swiglu_mlp import plan_mlp, swiglu_mlp, tile_weight
 
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3
@@ -194,6 +194,63 @@ def test_plan_regimes(tname):
     assert small.tb_max < 512
     with pytest.raises(ValueError, match=r"swiglu_mlp: hidden=4096, intermediate=200000 need "):
         plan_mlp(2048, 4096, 200_000, 2, False, 190_000)
+
+
+# ---------------------------------------------------------------------------- tile-major weights
+def test_tile_weight_layout(rng):
+    """out[f, p, kt, c] = w[kt*128 + p, f*128 + c], an odd k-tile count padded with zeros."""
+    w = rng.standard_normal((384, 256)).astype(BF16)
+    t = tile_weight(w)
+    assert t.shape == (2, 128, 4, 128) and t.dtype == BF16
+    for f, p, kt, c in [(0, 0, 0, 0), (1, 5, 2, 127), (0, 127, 1, 3)]:
+        assert t[f, p, kt, c] == w[kt * 128 + p, f * 128 + c]
+    assert not t[:, :, 3, :].astype(np.float32).any()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("T", [1, 7, 129, 600])
+def test_tiled_weights_give_the_same_bits(tgt, rng, fp8, T):
+    """Tile-major weights change only the DMA pattern: the same products accumulate in the
+    same order, so the output is bit-identical to row-major weights (odd k-tile counts: H = 384,
+    I = 640; T = 600 is two token blocks)."""
+    H, I = 384, 640
+    if fp8:
+        x, ws, kw = _fp8(rng, T, H, I, norm=True)
+    else:
+        x, ws, kw = _inputs(rng, T, H, I, residual=False)
+    kw["residual"] = x
+    y = swiglu_mlp(x, *ws, **kw)
+    yt = swiglu_mlp(x, *[tile_weight(w) for w in ws], **kw)
+    assert np.array_equal(y.view(np.uint16), yt.view(np.uint16))
+    if not fp8:
+        assert_rows_close(yt, swiglu_mlp_ref(x, *ws, **kw), what="y (tiled)")
+
+
+def test_tiled_weights_torch(rng):
+    torch = pytest.importorskip("torch")
+    x, ws, kw = _inputs(rng, 5, 256, 384, residual=False)
+    tw = [tile_weight(torch.from_numpy(w.astype(np.float32)).to(torch.bfloat16)) for w in ws]
+    assert tuple(tw[0].shape) == (3, 128, 2, 128) and tw[0].dtype == torch.bfloat16
+    y = swiglu_mlp(torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16), *tw,
+                   norm_weight=kw["norm_weight"])
+    ref = swiglu_mlp(x, *[tile_weight(w) for w in ws], **kw)
+    assert np.array_equal(y.float().numpy(), ref.astype(np.float32))
+
+
+def test_rejects_tiled_misuse(rng):
+    x, ws, kw = _inputs(rng, 4, 256, 384, norm=False, residual=False)
+    t = [tile_weight(w) for w in ws]
+    with pytest.raises(ValueError, match=r"w_gate is tile-major \(4-D, tile_weight\) so w_up must "
+                                         r"be too; got shape \[256, 384\]"):
+        swiglu_mlp(x, t[0], ws[1], t[2])
+    with pytest.raises(ValueError, match=r"tile-major w_down must have shape \[2, 128, 4, 128\]"):
+        swiglu_mlp(x, t[0], t[1], t[0])
+    with pytest.raises(ValueError, match=r"tile-major w_gate must have shape \[3, 128, 2, 128\] "
+                                         r"\(tile_weight of a \[H, I\] = \[256, 384\] weight\)"):
+        swiglu_mlp(x, t[0][:, :, 0:1], t[1], t[2])
+    with pytest.raises(ValueError, match=r"tile_weight: w must be 2-D \[K, N\] with K and N "
+                                         r"positive multiples of 128; got shape \[200, 128\]"):
+        tile_weight(np.zeros((200, 128), BF16))
 
 
 # ---------------------------------------------------------------------------- refusals

@@ -3,7 +3,8 @@
 Shapes: ``reference.shapes`` tier ``.rmsnorm`` (tokens x hidden); shapes the op refuses (H not a
 multiple of 128, or of 512 for MX, T = 0 -- the ODD tier's edge cases) are left out: their
 refusals are tested, not benched. The MODELS tier carries the issue's prefill targets
-[2048 x 8192] and [32768 x 8192] (Llama-3-70B hidden). FLOPs and compulsory bytes (read x,
+[2048 x 8192] and [32768 x 8192] (Llama-3-70B hidden), and the fused residual add (x + residual,
+written back) at T = 2048 ("+res" in the dtype column). FLOPs and compulsory bytes (read x,
 write 1-byte data and the scales) come from ``reference.rmsnorm_quant``; the op is memory-bound
 on paper and engine-bound in practice, so the report's "bound in model" column names the engine
 that binds.
@@ -21,22 +22,26 @@ from nki_kernels.rmsnorm_quant import rmsnorm_quant
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def rmsnorm_quant_case(shape: shapes.RMSNormShape, quant: str = "fp8") -> BenchCase:
+def rmsnorm_quant_case(shape: shapes.RMSNormShape, quant: str = "fp8",
+                       residual: bool = False) -> BenchCase:
     T, H = shape.tokens, shape.hidden
 
     def make_inputs(rng):
         x = rng.standard_normal((T, H), dtype=np.float32).astype(BF16)          # [T, H]
         g = (1 + 0.1 * rng.standard_normal(H, dtype=np.float32)).astype(BF16)   # [H]
+        if residual:
+            return x, g, rng.standard_normal((T, H), dtype=np.float32).astype(BF16)
         return x, g
 
-    def run(x, g):
-        return rmsnorm_quant(x, g, quant=quant)
+    def run(x, g, res=None):
+        return rmsnorm_quant(x, g, quant=quant, residual=res)
 
+    dtype = "bf16->fp8" if quant == "fp8" else "bf16->mxfp8"
     return BenchCase(
         op="rmsnorm_quant", shape=shape.name, dims={"T": T, "H": H},
-        dtype="bf16->fp8" if quant == "fp8" else "bf16->mxfp8", make_inputs=make_inputs,
-        run=run, flops=flops_rmsnorm_quant(T, H), bytes=bytes_rmsnorm_quant(T, H, quant),
-        roof_kind="bf16")
+        dtype=dtype + (" +res" if residual else ""), make_inputs=make_inputs,
+        run=run, flops=flops_rmsnorm_quant(T, H),
+        bytes=bytes_rmsnorm_quant(T, H, quant, residual=residual), roof_kind="bf16")
 
 
 @register("rmsnorm_quant")
@@ -47,3 +52,7 @@ def cases(tier: str, target: str):
         yield rmsnorm_quant_case(s, "fp8")
         if target == "trn3" and s.hidden % 512 == 0:
             yield rmsnorm_quant_case(s, "mx")
+        if tier == "models" and s.tokens == 2048 and s.hidden == 8192:
+            yield rmsnorm_quant_case(s, "fp8", residual=True)
+            if target == "trn3":
+                yield rmsnorm_quant_case(s, "mx", residual=True)

@@ -4,6 +4,10 @@ Shapes: ``reference.shapes`` tier ``.mlp`` (FAST: small; MODELS: Llama-3-8B and 
 TP8, decode to prefill). Each shape runs with bf16 weights (roof: bf16 TensorE peak) and, in
 the MODELS tier, with FP8 e4m3 weights and per-channel scales (double_row; roof: FP8 peak),
 RMSNorm in front and the residual behind. FLOPs and bytes from ``reference.swiglu_mlp``.
+
+Weight layouts (the ``dtype`` column): "bf16" row-major [H, I] / [I, H] as a checkpoint holds
+them; "fp8" tile-major (``tile_weight``, done once at load time in ``make_inputs``, not timed),
+the layout FP8 serving should use; "fp8 (row-major)" at the prefill shapes, for comparison.
 """
 from __future__ import annotations
 
@@ -13,14 +17,15 @@ import numpy as np
 from nki_kernels.bench.defs import BenchCase, register
 from nki_kernels.reference import shapes
 from nki_kernels.reference.swiglu_mlp import bytes_swiglu_mlp, flops_swiglu_mlp, quantize_fp8_per_channel
-from nki_kernels.swiglu_mlp import swiglu_mlp
+from nki_kernels.swiglu_mlp import swiglu_mlp, tile_weight
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def mlp_case(s: shapes.MLPShape, dtype: str = "bf16") -> BenchCase:
     T, H, I = s.tokens, s.hidden, s.intermediate
-    fp8 = dtype == "fp8"
+    fp8 = dtype.startswith("fp8")
+    tiled = dtype == "fp8"
 
     def make_inputs(rng):
         x = rng.standard_normal((T, H), dtype=np.float32).astype(BF16)             # [T, H]
@@ -30,7 +35,7 @@ def mlp_case(s: shapes.MLPShape, dtype: str = "bf16") -> BenchCase:
         if not fp8:
             return (x, g, *[w.astype(BF16) for w in ws])
         q = [quantize_fp8_per_channel(w, ml_dtypes.float8_e4m3) for w in ws]
-        return (x, g, *[a for a, _ in q], *[sc for _, sc in q])
+        return (x, g, *[tile_weight(a) if tiled else a for a, _ in q], *[sc for _, sc in q])
 
     def run(x, g, wg, wu, wd, *scales):
         kw = {}
@@ -52,3 +57,6 @@ def cases(tier: str, target: str):
     if tier == "models":
         for s in shapes.tier(tier).mlp:
             yield mlp_case(s, "fp8")
+        for s in shapes.tier(tier).mlp:
+            if s.tokens == 2048:
+                yield mlp_case(s, "fp8 (row-major)")
