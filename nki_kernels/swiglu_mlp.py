@@ -153,10 +153,11 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
     norm = norm_w is not None
     blocks = D.token_blocks(T, tb_max)
     rows_next = D.x_rows_normalised(x, blocks[0][0], blocks[0][1], None, None, norm, eps)
-    xT, A = _x_block(_x_quantize(rows_next, q), blocks[0][1], H, gamma_T, ident, ident_f, q,
-                     w_gate.dtype)
+    _x_quantize(rows_next, q, all_steps=True)
+    xT, A = _x_block(rows_next, blocks[0][1], H, gamma_T, ident, ident_f, q, w_gate.dtype)
     rows_next = None
     pending = None
+    qsteps = []
     ev = [0]
     for bi, (t0, tb) in enumerate(blocks):
         Tp = D.acc_free(tb)
@@ -206,11 +207,17 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
             yT = nl.ndarray((P, j1 - j0, tb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nf, tb]
             _evict_y(yT, acc, widths, tb, q, B, j0, ev)
             del acc
-            if pi == 0 and bi + 1 < len(blocks):
-                # FP8: the next block's per-token quantization (VectorE) after the first pass's
-                # evictions, so it overlaps this block's down GEMM
-                rows_next = _x_quantize(rows_next, q)
+            if bi + 1 < len(blocks):
+                # FP8: the next block's per-token quantization, one sub-tile after each down
+                # pass's evictions, so it overlaps this block's down GEMM without holding up
+                # the evictions (VectorE) behind it
+                if pi == 0:
+                    qsteps = _x_quantize(rows_next, q)
+                if qsteps:
+                    qsteps.pop(0)()
             if pi + 1 == len(dpasses) and bi + 1 < len(blocks):
+                while qsteps:
+                    qsteps.pop(0)()
                 # the next block's transposes go ahead of the pending epilogue
                 xT, A = _x_block(rows_next, blocks[bi + 1][1], H, gamma_T, ident, ident_f, q,
                                  w_gate.dtype)
@@ -228,9 +235,16 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
     return y
 
 
-def _x_quantize(rows, q):
-    """FP8: rows of a token block quantized per token (VectorE), with their scale columns."""
-    return rows if q is None else q.quantize_rows(rows)
+def _x_quantize(rows, q, all_steps=False):
+    """FP8: quantize the rows of a token block per token, in place in the ``rows`` list (each
+    entry gains its scale column). Returns the steps (one per sub-tile) still to be called in
+    order; all of them are run here with ``all_steps``. bf16: nothing to do."""
+    if q is None:
+        return []
+    steps = q.quantize_rows(rows)
+    while all_steps and steps:
+        steps.pop(0)()
+    return steps
 
 
 def _x_block(rows, tb, H, gamma_T, ident, ident_f, q, wdtype):
@@ -278,27 +292,34 @@ class _Fp8:
         return out
 
     def quantize_rows(self, subs):
-        """Token-major rows xn [ts, H] -> FP8-valued bf16 rows (for the PE transposes) and the
-        per-token scale columns (VectorE only; ``row_scales`` turns them into a row tile)."""
-        out = []
-        for s0, ts, xn in subs:
+        """Token-major rows ``subs[i] = (s0, ts, xn [ts, H])`` -> one step per sub-tile that
+        replaces ``subs[i]`` by ``(s0, ts, xqb, sc)``: FP8-valued bf16 rows (for the PE
+        transposes) and the per-token scale column (``row_scales`` makes a row tile of them).
+
+        A step's full-width passes are spread over GpSimd (norm weight in place, bf16 copy),
+        VectorE (max and min, i.e. |x|max without an abs tile) and ScalarE (quantize); the
+        caller spaces the steps out so that VectorE's evictions never queue behind them all."""
+        def step(i):
+            s0, ts, xn = subs[i]
             H = xn.shape[1]
-            xg = xn
-            if self.gamma_row is not None:
-                xg = nl.ndarray((ts, H), dtype=nl.bfloat16, buffer=nl.sbuf)    # [ts, H]
-                nisa.tensor_tensor(dst=xg, data1=xn, data2=self.gamma_row[0:ts, :],
-                                   op=nl.multiply)
-            ab = nl.ndarray((ts, H), dtype=nl.bfloat16, buffer=nl.sbuf)        # [ts, H]
-            nisa.tensor_scalar(dst=ab, data=xg, op0=nl.abs, operand0=None)
+            if self.gamma_row is not None:                                     # in place
+                nisa.tensor_tensor(dst=xn, data1=xn, data2=self.gamma_row[0:ts, :],
+                                   op=nl.multiply, engine=nisa.engine.gpsimd)
+            mx = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)         # [ts, 1]
+            nisa.tensor_reduce(dst=mx, op=nl.maximum, data=xn, axis=1)
+            mn = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)         # [ts, 1]
+            nisa.tensor_reduce(dst=mn, op=nl.minimum, data=xn, axis=1)
             amax = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)       # [ts, 1]
-            nisa.tensor_reduce(dst=amax, op=nl.maximum, data=ab, axis=1)
+            nisa.tensor_scalar(dst=amax, data=mn, op0=nl.multiply, operand0=-1.0)
+            nisa.tensor_tensor(dst=amax, data1=amax, data2=mx, op=nl.maximum)
             sc, inv = self._scale_and_inverse(amax, 1)
             xq = nl.ndarray((ts, H), dtype=self.dtype, buffer=nl.sbuf)         # [ts, H] fp8
-            nisa.tensor_scalar(dst=xq, data=xg, op0=nl.multiply, operand0=inv)
+            nisa.activation(dst=xq, op=nl.copy, data=xn, scale=inv)            # fp32, cast
             xqb = nl.ndarray((ts, H), dtype=nl.bfloat16, buffer=nl.sbuf)       # [ts, H]
-            nisa.tensor_copy(dst=xqb, src=xq)
-            out.append((s0, ts, xqb, sc))
-        return out
+            nisa.tensor_copy(dst=xqb, src=xq, engine=nisa.engine.gpsimd)
+            subs[i] = (s0, ts, xqb, sc)
+
+        return [lambda i=i: step(i) for i in range(len(subs))]
 
     def row_scales(self, subs, tb, ident_f):
         """The scale columns of ``quantize_rows`` -> row-broadcast scales A [128, tb]

@@ -1154,7 +1154,8 @@ class _Schedule:
             t0 = self._rendezvous(it, max(ready, free)) if it.partner is not None else ready
             if t0 is None:
                 return False
-            self._schedule_pe(it, max(ready, t0), pred)
+            self._schedule_pe(it, max(ready, t0), pred,
+                              self._ready_ls(it, t0 if it.partner is not None else 0.0))
             return True
         start = max(free, ready)
         if free > ready:
@@ -1186,9 +1187,26 @@ class _Schedule:
             self._set_end(it.i, end)
         return True
 
-    def _schedule_pe(self, it, ready, pred):
+    def _ready_ls(self, it, t0):
+        """When the LoadStationary of PE item ``it`` may start: its dependencies on other engines
+        and on DMA. An earlier TensorE instruction writing the same PSUM (an accumulation chain)
+        binds the MultiplyMoving stage only: LoadStationary reads SBUF into the array and
+        overlaps the previous MM whatever its PSUM target (hardware.md A.2)."""
+        items, end = self.items, self.end
+        sem = self.cp.sem_ns
+        best = t0
+        qi = (it.prog, it.q)
+        for j in it.deps:
+            jt = items[j]
+            if (jt.prog, jt.q) == qi and jt.kind != "dma":
+                continue
+            t = end[j] + jt.lat_cross + (sem if jt.kind != "dma" else 0.0)
+            best = max(best, t)
+        return best
+
+    def _schedule_pe(self, it, ready, pred, ready_ls=None):
         st = self.pe[it.prog]
-        ls_start = max(st.ls_free, st.mm_start, ready)
+        ls_start = max(st.ls_free, st.mm_start, ready if ready_ls is None else ready_ls)
         ls_end = ls_start + it.ls
         if it.bg:
             base = st.t_free

@@ -137,6 +137,33 @@ def test_short_stationary_runs_at_n_moving():
     assert per_matmul_ns(s, m, "trn2", 100, 150) == pytest.approx(128 / F_PE, rel=0.01)
 
 
+@jit
+def mm_accumulate(s, m, n):
+    """``n`` matmuls accumulating into ONE PSUM tile (the K-inner loop), each with a fresh
+    stationary copy so that every matmul really loads its weights."""
+    mv = nl.ndarray(m.shape, m.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=mv, src=m)
+    sts = []
+    for _ in range(4):
+        st = nl.ndarray(s.shape, s.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=st, src=s)
+        sts.append(st)
+    p = nl.ndarray((s.shape[1], m.shape[1]), nl.float32, buffer=nl.psum)
+    for k in range(n):
+        nisa.nc_matmul(dst=p, stationary=sts[k % 4], moving=mv, accumulate=(k > 0))
+
+
+def test_accumulation_chain_keeps_loadstationary_in_the_background():
+    """An accumulation into the same PSUM tile orders the MultiplyMoving stages only: the next
+    LoadStationary (ceil(128/4) = 32 cycles) still overlaps the current MM, so the K loop runs
+    at N_moving = 128 cycles per matmul, not 160."""
+    s = np.ones((128, 128), BF16)
+    m = np.ones((128, 128), BF16)
+    t1 = estimate(mm_accumulate, s, m, 100, target="trn3").total_ns
+    t2 = estimate(mm_accumulate, s, m, 200, target="trn3").total_ns
+    assert (t2 - t1) / 100 == pytest.approx(128 / F_PE, rel=0.01)
+
+
 def test_fp32_matmul_is_4x():
     s = np.ones((128, 128), np.float32)
     m = np.ones((128, 512), np.float32)
