@@ -77,8 +77,8 @@ def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget, tiled=False) -> MLPPlan:
         fixed = 4 * (KT + 2 * KI) + 2 * 1024          # norm weight / scales, identities
         rows = H * 2 * cdiv(tb, P)
         h_gu = hT
-        if fp8:   # norm weight row, token scales; h in bf16 until its scale is known, then both
-            fixed += H * 4 + 3 * tb * 4 + 7 * H
+        if fp8:   # norm weight row, token scales; h in bf16 until its scale is known, then both;
+            fixed += H * 4 + 3 * tb * 4 + 3 * H    # + quantization temporaries (xq, xqb)
             h_gu = KI * tb * 3
         # gate/up phase: xT, h, weight ring (3 transfers in flight), silu(gate)
         gu = (KT * tb * a_bytes + h_gu + 3 * nw * kb_gu * cols_gu * w_bytes
@@ -207,15 +207,13 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
             yT = nl.ndarray((P, j1 - j0, tb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nf, tb]
             _evict_y(yT, acc, widths, tb, q, B, j0, ev)
             del acc
-            if bi + 1 < len(blocks):
-                # FP8: the next block's per-token quantization, one sub-tile after each down
-                # pass's evictions, so it overlaps this block's down GEMM without holding up
-                # the evictions (VectorE) behind it
-                if pi == 0:
-                    qsteps = _x_quantize(rows_next, q)
-                if qsteps:
-                    qsteps.pop(0)()
-            if pi + 1 == len(dpasses) and bi + 1 < len(blocks):
+            last = pi + 1 == len(dpasses)
+            if bi + 1 < len(blocks) and pi == 0:
+                # FP8: the next block's per-token quantization, one sub-tile per down pass
+                # (below), so it overlaps this block's down GEMM without holding up the
+                # evictions and residual adds (VectorE) behind it
+                qsteps = _x_quantize(rows_next, q)
+            if last and bi + 1 < len(blocks):
                 while qsteps:
                     qsteps.pop(0)()
                 # the next block's transposes go ahead of the pending epilogue
@@ -229,6 +227,8 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
                 _store_y(y, residual, ident_f, *pending)
                 pending = None
             del yT
+            if qsteps and not last:
+                qsteps.pop(0)()
         del hT
     if pending is not None:
         _store_y(y, residual, ident_f, *pending)
@@ -299,12 +299,14 @@ class _Fp8:
         A step's full-width passes are spread over GpSimd (norm weight in place, bf16 copy),
         VectorE (max and min, i.e. |x|max without an abs tile) and ScalarE (quantize); the
         caller spaces the steps out so that VectorE's evictions never queue behind them all."""
+        if self.gamma_row is not None:      # all sub-tiles now, in place: no step waits on it
+            for s0, ts, xn in subs:
+                nisa.tensor_tensor(dst=xn, data1=xn, data2=self.gamma_row[0:ts, :],
+                                   op=nl.multiply, engine=nisa.engine.gpsimd)
+
         def step(i):
             s0, ts, xn = subs[i]
             H = xn.shape[1]
-            if self.gamma_row is not None:                                     # in place
-                nisa.tensor_tensor(dst=xn, data1=xn, data2=self.gamma_row[0:ts, :],
-                                   op=nl.multiply, engine=nisa.engine.gpsimd)
             mx = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)         # [ts, 1]
             nisa.tensor_reduce(dst=mx, op=nl.maximum, data=xn, axis=1)
             mn = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)         # [ts, 1]
