@@ -300,7 +300,7 @@ class _Fp8:
         VectorE (max and min, i.e. |x|max without an abs tile) and ScalarE (quantize); the
         caller spaces the steps out so that VectorE's evictions never queue behind them all."""
         if self.gamma_row is not None:      # all sub-tiles now, in place: no step waits on it
-            for s0, ts, xn in subs:
+            for _, ts, xn in subs:
                 nisa.tensor_tensor(dst=xn, data1=xn, data2=self.gamma_row[0:ts, :],
                                    op=nl.multiply, engine=nisa.engine.gpsimd)
 
