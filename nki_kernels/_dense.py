@@ -469,7 +469,7 @@ def _load_weight_tile(w, ft, k0, kn):
 
 def tile_weight(w):
     """A weight ``w [K, N]`` (K, N multiples of 128; bf16 or FP8; NumPy or CPU torch) in the
-    tile-major layout the dense kernels stream at full DMA efficiency: ``[N/128, 128, KTe, 128]``
+    tile-major layout ``swiglu_mlp`` streams at full DMA efficiency: ``[N/128, 128, KTe, 128]``
     with ``out[f, p, kt, c] = w[kt*128 + p, f*128 + c]``, KTe = K/128 rounded up to even (a zero
     k-tile for FP8 double_row). Host-side, once per weight (at model load)."""
     shape = tuple(getattr(w, "shape", ()))
