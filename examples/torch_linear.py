@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nki_kernels.matmul import matmul
+from nki_kernels.dense.matmul import matmul
 
 
 class NkiLinear(torch.nn.Module):

@@ -5,11 +5,11 @@ instance), validates its arguments, picks its kernel variant, and runs it on the
 ``nki_kernels.backend``.
 """
 from .attention.flash_attention import flash_attention
-from .matmul import matmul
-from .mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
-from .qkv_proj import QKVOutput, qkv_proj
-from .rmsnorm_quant import rmsnorm_quant
-from .swiglu_mlp import swiglu_mlp, tile_weight
+from .dense.matmul import matmul
+from .dense.qkv_proj import QKVOutput, qkv_proj
+from .dense.swiglu_mlp import swiglu_mlp, tile_weight
+from .quant.mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
+from .quant.rmsnorm_quant import rmsnorm_quant
 
 __version__ = "0.1.0"
 __all__ = ["matmul", "flash_attention", "qkv_proj", "QKVOutput", "swiglu_mlp", "tile_weight",

@@ -4,8 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from nki_kernels.dense.matmul import DECODE_M_MAX, matmul
 from nki_kernels.emulator import target
-from nki_kernels.matmul import DECODE_M_MAX, matmul
 from nki_kernels.reference.compare import assert_matmul_close
 from nki_kernels.reference.matmul import matmul_ref
 from nki_kernels.reference.shapes import FAST, MODELS, ODD

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from nki_kernels.emulator import target
-from nki_kernels.mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
+from nki_kernels.quant.mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
 from nki_kernels.reference import mx as mxref
 from nki_kernels.reference.compare import assert_matmul_close, cosine_similarity
 from nki_kernels.reference.mxfp8_matmul import (

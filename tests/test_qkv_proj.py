@@ -5,8 +5,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from nki_kernels.dense.qkv_proj import DECODE_T_MAX, plan_qkv, qkv_proj, rope_cos_sin
 from nki_kernels.emulator import target
-from nki_kernels.qkv_proj import DECODE_T_MAX, plan_qkv, qkv_proj, rope_cos_sin
 from nki_kernels.reference.compare import assert_rows_close
 from nki_kernels.reference.qkv_proj import qkv_proj_ref, rope_tables
 from nki_kernels.reference.shapes import (
@@ -188,7 +188,7 @@ def test_noncontiguous_inputs(rng):
 # ---------------------------------------------------------------------------- plan
 @pytest.mark.parametrize("tname", ["trn2", "trn3"])
 def test_plan_regimes(tname):
-    from nki_kernels.qkv_proj import _sbuf_budget
+    from nki_kernels.dense.qkv_proj import _sbuf_budget
     with target(tname):
         budget = _sbuf_budget()
     dec = plan_qkv(32, 4096, 32, 8, 128, budget)

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from nki_kernels.emulator import target
-from nki_kernels.mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
+from nki_kernels.quant.mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
+from nki_kernels.quant.rmsnorm_quant import rmsnorm_quant
 from nki_kernels.reference import mx as mxref
 from nki_kernels.reference import rmsnorm_quant as R
 from nki_kernels.reference.compare import cosine_similarity
 from nki_kernels.reference.mxfp8_matmul import dequantize_mx_kmajor, untile_layout
 from nki_kernels.reference.shapes import FAST, MODELS, ODD
-from nki_kernels.rmsnorm_quant import rmsnorm_quant
 
 BF16 = ml_dtypes.bfloat16
 ODD_T = (1, 7, 1000)            # issue: odd token counts
@@ -244,7 +244,7 @@ def test_mx_large_h_single_buffered(rng):
     x = adversarial(rng, 7, 32768)
     g = rng.standard_normal(32768).astype(BF16)
     with target("trn3"):
-        from nki_kernels.rmsnorm_quant import plan_rmsnorm_quant
+        from nki_kernels.quant.rmsnorm_quant import plan_rmsnorm_quant
         assert not plan_rmsnorm_quant(7, 32768, "mx", False, 2, 221184).double
         mx = run(x, g, quant="mx")
     assert_mx_equal(mx, *R.rmsnorm_quant_mx_ref(x, g), 32768)

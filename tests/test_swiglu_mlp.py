@@ -5,11 +5,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from nki_kernels.dense.swiglu_mlp import plan_mlp, swiglu_mlp, tile_weight
 from nki_kernels.emulator import target
 from nki_kernels.reference.compare import assert_rows_close, cosine_similarity
 from nki_kernels.reference.shapes import FAST, LLAMA3_8B, LLAMA3_70B_TP8, MODELS, ODD
 from nki_kernels.reference.swiglu_mlp import quantize_fp8_per_channel, quantize_per_token, swiglu_mlp_ref
-from nki_kernels.swiglu_mlp import plan_mlp, swiglu_mlp, tile_weight
 
 BF16 = ml_dtypes.bfloat16
 E4M3 = ml_dtypes.float8_e4m3
@@ -181,7 +181,7 @@ def test_noncontiguous_weights(rng):
 # ---------------------------------------------------------------------------- plan
 @pytest.mark.parametrize("tname", ["trn2", "trn3"])
 def test_plan_regimes(tname):
-    from nki_kernels.qkv_proj import _sbuf_budget
+    from nki_kernels.dense.qkv_proj import _sbuf_budget
     with target(tname):
         budget = _sbuf_budget()
     dec = plan_mlp(32, 4096, 14336, 2, False, budget)

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from nki_kernels.bench.defs import BenchCase, register
-from nki_kernels.matmul import matmul
+from nki_kernels.dense.matmul import matmul
 from nki_kernels.reference import shapes
 from nki_kernels.reference.matmul import bytes_matmul, flops_matmul
 

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from nki_kernels.bench.defs import BenchCase, register
-from nki_kernels.mxfp8_matmul import mxfp8_matmul, quantize_weights_mx
+from nki_kernels.quant.mxfp8_matmul import mxfp8_matmul, quantize_weights_mx
 from nki_kernels.reference import shapes
 from nki_kernels.reference.mxfp8_matmul import bytes_mxfp8_matmul, flops_mxfp8_matmul
 

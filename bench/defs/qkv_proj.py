@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from nki_kernels.bench.defs import BenchCase, register
-from nki_kernels.qkv_proj import qkv_proj
+from nki_kernels.dense.qkv_proj import qkv_proj
 from nki_kernels.reference import shapes
 from nki_kernels.reference.qkv_proj import bytes_qkv_proj, flops_qkv_proj
 

@@ -15,9 +15,9 @@ import ml_dtypes
 import numpy as np
 
 from nki_kernels.bench.defs import BenchCase, register
+from nki_kernels.quant.rmsnorm_quant import rmsnorm_quant
 from nki_kernels.reference import shapes
 from nki_kernels.reference.rmsnorm_quant import bytes_rmsnorm_quant, flops_rmsnorm_quant
-from nki_kernels.rmsnorm_quant import rmsnorm_quant
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

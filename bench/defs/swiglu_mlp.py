@@ -15,9 +15,9 @@ import ml_dtypes
 import numpy as np
 
 from nki_kernels.bench.defs import BenchCase, register
+from nki_kernels.dense.swiglu_mlp import swiglu_mlp, tile_weight
 from nki_kernels.reference import shapes
 from nki_kernels.reference.swiglu_mlp import bytes_swiglu_mlp, flops_swiglu_mlp, quantize_fp8_per_channel
-from nki_kernels.swiglu_mlp import swiglu_mlp, tile_weight
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

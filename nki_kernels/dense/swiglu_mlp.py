@@ -1,7 +1,7 @@
 """SwiGLU MLP: ``y = residual + (silu(xn @ W_gate) * (xn @ W_up)) @ W_down``, ``xn = rmsnorm(x)``.
 
 One kernel for prefill and decode (docs/dense.md), on the weight-stationary GEMM passes of
-``_dense``: gate and up produce ``hT [I, tokens]`` directly in the layout the down projection
+``_tiles``: gate and up produce ``hT [I, tokens]`` directly in the layout the down projection
 contracts over (I on partitions), so the intermediate never leaves SBUF and never needs a
 transpose; only the output ``yT [H, tokens]`` is transposed back to ``y [T, H]``.
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import _dense as D
-from ._dense import P, cdiv, tile_weight
-from .backend import launch, nisa, nki, nl
+from ..backend import launch, nisa, nki, nl
+from . import _tiles as D
+from ._tiles import P, cdiv, tile_weight
 from .qkv_proj import _check_2d, _check_dtype, _dtype_name, _sbuf_budget, _vector
 
 NCOLS_MAX = 4096        # weight columns per pass: 8 KiB bf16 rows per k-tile in SBUF

@@ -1,7 +1,7 @@
 """Fused QKV projection: ``q, k, v = rope(qk_norm(split(rmsnorm(x + residual) @ W_qkv + b)))``.
 
 One kernel for prefill and decode (see docs/dense.md): weight-stationary GEMM passes with the
-output features on partitions (``_dense.gemm_pass``), then an epilogue that transposes the
+output features on partitions (``_tiles.gemm_pass``), then an epilogue that transposes the
 results to "lanes" (one output row of ``head_dim`` elements per partition) where the per-head
 RMSNorm (Qwen3 QK-norm) and RoPE are free-dim operations.
 
@@ -20,11 +20,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _dense as D
-from ._dense import P, cdiv
-from ._host import dtype_name as _dtype_name
-from ._host import is_torch as _is_torch
-from .backend import launch, nisa, nki, nl
+from .._host import dtype_name as _dtype_name
+from .._host import is_torch as _is_torch
+from ..backend import launch, nisa, nki, nl
+from . import _tiles as D
+from ._tiles import P, cdiv
 
 DECODE_T_MAX = 128   # T < 128 tokens: one block, (head, token) lanes; see QKVPlan
 NCOLS_MAX = 4096     # weight columns per pass: 8 KiB bf16 rows per k-tile in SBUF

@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._host import dtype_name as _dtype_name
-from ._host import is_torch as _is_torch
-from .backend import launch, nisa, nki, nl
+from .._host import dtype_name as _dtype_name
+from .._host import is_torch as _is_torch
+from ..backend import launch, nisa, nki, nl
 
 P = 128            # partitions; x4 rows per contraction chunk
 CHUNK = 512        # contraction values per chunk (128 partitions x 4 lanes)

@@ -19,7 +19,7 @@ NKI tensors and are called from inside ``@nki.jit`` kernels.
 """
 from __future__ import annotations
 
-from .backend import nisa, nl
+from ..backend import nisa, nl
 
 P = 128                 # partitions; contraction and feature tile
 TB_MAX = 512            # tokens per block: one 2 KiB fp32 PSUM bank per accumulator tile

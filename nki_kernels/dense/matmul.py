@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._host import dtype_name as _dtype_name
-from ._host import is_torch as _is_torch
-from .backend import launch, nisa, nki, nl
+from .._host import dtype_name as _dtype_name
+from .._host import is_torch as _is_torch
+from ..backend import launch, nisa, nki, nl
 
 P = 128            # partitions, contraction tile
 TN = 512           # moving free size per matmul (one 2 KiB fp32 PSUM bank)

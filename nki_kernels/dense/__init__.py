@@ -1,0 +1,1 @@
+"""Dense-layer ops: tiled matmul, fused QKV projection, SwiGLU MLP (and their shared tiling)."""
