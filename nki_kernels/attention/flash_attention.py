@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._host import dtype_name as _dtype_name
-from .._host import is_torch as _is_torch
+from .._validate import dtype_name as _dtype_name
+from .._validate import is_torch as _is_torch
 from ..backend import launch, nisa, nki, nl
 from .masks import MaskSpec, mask_range_select, row_bounds
 from .schedule import assign_programs, gqa_heads, kv_chunks, prefill_units

@@ -20,8 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._host import dtype_name as _dtype_name
-from .._host import is_torch as _is_torch
+from .._validate import check_2d, check_dtype, float_vector
 from ..backend import launch, nisa, nki, nl
 from . import _tiles as D
 from ._tiles import P, cdiv
@@ -729,8 +728,8 @@ def qkv_proj(x, w_qkv, *, n_q_heads, n_kv_heads, head_dim, bias=None, residual=N
       [n_kv, d, T] when transposed); residual is x + residual, or None.
     """
     name = "qkv_proj"
-    T, H = _check_2d(name, "x", x)
-    _check_dtype(name, "x", x, ("bfloat16",))
+    T, H = check_2d(name, "x", x)
+    check_dtype(name, "x", x, ("bfloat16",))
     for a, v in (("n_q_heads", n_q_heads), ("n_kv_heads", n_kv_heads)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name}: {a} must be a positive int; got {v!r}")
@@ -740,27 +739,27 @@ def qkv_proj(x, w_qkv, *, n_q_heads, n_kv_heads, head_dim, bias=None, residual=N
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"{name}: head_dim must be one of 64, 128, 256; got {head_dim}")
     N = (n_q_heads + 2 * n_kv_heads) * head_dim
-    Hw, Nw = _check_2d(name, "w_qkv", w_qkv)
+    Hw, Nw = check_2d(name, "w_qkv", w_qkv)
     if (Hw, Nw) != (H, N):
         raise ValueError(f"{name}: w_qkv must be [H, (n_q_heads + 2 n_kv_heads) * head_dim] = "
                          f"[{H}, {N}]; got {list(w_qkv.shape)}")
-    _check_dtype(name, "w_qkv", w_qkv, ("bfloat16",))
+    check_dtype(name, "w_qkv", w_qkv, ("bfloat16",))
     if bias is not None:
-        bias = _vector(name, "bias", bias, N)
+        bias = float_vector(name, "bias", bias, N)
     if residual is not None:
         if tuple(residual.shape) != (T, H):
             raise ValueError(f"{name}: residual must have the shape of x {[T, H]}; got "
                              f"{list(residual.shape)}")
-        _check_dtype(name, "residual", residual, ("bfloat16",))
+        check_dtype(name, "residual", residual, ("bfloat16",))
     if norm_weight is not None:
-        norm_weight = _vector(name, "norm_weight", norm_weight, H)
+        norm_weight = float_vector(name, "norm_weight", norm_weight, H)
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"{name}: eps must be a positive float; got {eps!r}")
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError(f"{name}: q_norm_weight and k_norm_weight must be given together")
     if q_norm_weight is not None:
-        q_norm_weight = _vector(name, "q_norm_weight", q_norm_weight, head_dim)
-        k_norm_weight = _vector(name, "k_norm_weight", k_norm_weight, head_dim)
+        q_norm_weight = float_vector(name, "q_norm_weight", q_norm_weight, head_dim)
+        k_norm_weight = float_vector(name, "k_norm_weight", k_norm_weight, head_dim)
     qk_eps = eps if qk_norm_eps is None else qk_norm_eps
     if not (isinstance(qk_eps, (int, float)) and qk_eps > 0):
         raise ValueError(f"{name}: qk_norm_eps must be a positive float; got {qk_eps!r}")
@@ -801,35 +800,6 @@ def qkv_proj(x, w_qkv, *, n_q_heads, n_kv_heads, head_dim, bias=None, residual=N
                  plan.tb_max, plan.nf_max, plan.kb, plan.kc, plan.ts_max)
     q, k, v = res[0], res[1], res[2]
     return QKVOutput(q, k, v, res[3] if residual is not None else None)
-
-
-# ------------------------------------------------------------------------------- validation
-def _check_2d(op, name, a):
-    shape = getattr(a, "shape", None)
-    if shape is None or len(shape) != 2:
-        raise ValueError(f"{op}: {name} must be a 2-D array; got shape {shape}")
-    if min(shape) < 1:
-        raise ValueError(f"{op}: {name} must have positive dimensions; got {list(shape)}")
-    return int(shape[0]), int(shape[1])
-
-
-def _check_dtype(op, name, a, allowed):
-    got = _dtype_name(a)
-    if got not in allowed:
-        raise TypeError(f"{op}: {name}.dtype must be {' or '.join(allowed)}; got {got}")
-    return got
-
-
-def _vector(op, name, v, n):
-    """A float vector of length n as a contiguous fp32 NumPy array (it is small: H or N)."""
-    if _is_torch(v):
-        v = v.detach().float().numpy()
-    a = np.asarray(v)
-    if a.shape != (n,):
-        raise ValueError(f"{op}: {name} must be a vector of length {n}; got shape {list(a.shape)}")
-    if a.dtype.kind not in "fV" and _dtype_name(a) != "bfloat16":
-        raise TypeError(f"{op}: {name} must be a float vector; got {a.dtype}")
-    return np.ascontiguousarray(a.astype(np.float32))
 
 
 def _sbuf_budget():

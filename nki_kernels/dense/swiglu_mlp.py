@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._validate import check_2d, check_dtype, float_vector
+from .._validate import dtype_name as _dtype_name
 from ..backend import launch, nisa, nki, nl
 from . import _tiles as D
 from ._tiles import P, cdiv, tile_weight
-from .qkv_proj import _check_2d, _check_dtype, _dtype_name, _sbuf_budget, _vector
+from .qkv_proj import _sbuf_budget
 
 NCOLS_MAX = 4096        # weight columns per pass: 8 KiB bf16 rows per k-tile in SBUF
 _FP8 = ("float8_e4m3", "float8_e4m3fn")
@@ -483,13 +485,13 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
       y [T, H] bfloat16.
     """
     name = "swiglu_mlp"
-    T, H = _check_2d(name, "x", x)
-    _check_dtype(name, "x", x, ("bfloat16",))
+    T, H = check_2d(name, "x", x)
+    check_dtype(name, "x", x, ("bfloat16",))
     tiled = len(getattr(w_gate, "shape", ())) == 4
     if tiled:
         I = _check_tiled(name, H, w_gate, w_up, w_down)
     else:
-        Hg, I = _check_2d(name, "w_gate", w_gate)
+        Hg, I = check_2d(name, "w_gate", w_gate)
         if Hg != H:
             raise ValueError(f"{name}: w_gate must be [H, I] with H = x.shape[1] = {H}; got "
                              f"{list(w_gate.shape)}")
@@ -499,7 +501,7 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
         if tuple(w_down.shape) != (I, H):
             raise ValueError(f"{name}: w_down must be [I, H] = {[I, H]}; got "
                              f"{list(w_down.shape)}")
-    wdt = _check_dtype(name, "w_gate", w_gate, ("bfloat16",) + _FP8)
+    wdt = check_dtype(name, "w_gate", w_gate, ("bfloat16",) + _FP8)
     for a, w in (("w_up", w_up), ("w_down", w_down)):
         got = _dtype_name(w)
         if got != wdt:
@@ -520,20 +522,21 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
         if any(s is None for s in sc):
             raise ValueError(f"{name}: FP8 weights need gate_scale [I], up_scale [I] and "
                              f"down_scale [H]")
-        sc = (_vector(name, "gate_scale", gate_scale, I), _vector(name, "up_scale", up_scale, I),
-              _vector(name, "down_scale", down_scale, H))
+        sc = (float_vector(name, "gate_scale", gate_scale, I),
+              float_vector(name, "up_scale", up_scale, I),
+              float_vector(name, "down_scale", down_scale, H))
     elif any(s is not None for s in sc):
         raise ValueError(f"{name}: gate_scale/up_scale/down_scale are only for FP8 weights "
                          f"(weights are {wdt})")
     if norm_weight is not None:
-        norm_weight = _vector(name, "norm_weight", norm_weight, H)
+        norm_weight = float_vector(name, "norm_weight", norm_weight, H)
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"{name}: eps must be a positive float; got {eps!r}")
     if residual is not None:
         if tuple(residual.shape) != (T, H):
             raise ValueError(f"{name}: residual must have the shape of x {[T, H]}; got "
                              f"{list(residual.shape)}")
-        _check_dtype(name, "residual", residual, ("bfloat16",))
+        check_dtype(name, "residual", residual, ("bfloat16",))
     wb = 1 if fp8 else 2
     plan = plan_mlp(T, H, I, wb, fp8, _sbuf_budget(), tiled)
     return launch(swiglu_mlp_kernel, x, w_gate, w_up, w_down, norm_weight, residual,

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._host import dtype_name as _dtype_name
-from .._host import is_torch as _is_torch
+from .._validate import dtype_name as _dtype_name
+from .._validate import is_torch as _is_torch
 from ..backend import launch, nisa, nki, nl
 
 P = 128            # partitions; x4 rows per contraction chunk

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._host import dtype_name as _dtype_name
+from .._validate import dtype_name as _dtype_name
 from ..backend import launch, nisa, nki, nl
 from .mxfp8_matmul import CHUNK, MXTensor
 
