@@ -152,13 +152,22 @@ def estimate(fn, *args, target="trn3", lnc=1, **kwargs) -> CostReport:
     return rep
 
 
-def model_trace(trace, target="trn3", lnc=None, launch_ns=None) -> CostReport:
+# Profiler hook (nki_kernels/emulator/profile.py): callables obs(trace, schedules, report), called
+# after each model_trace with the schedules it kept (see ``schedules`` below). Reads only.
+_observers: list = []
+
+
+def model_trace(trace, target="trn3", lnc=None, launch_ns=None, schedules=None) -> CostReport:
     """Model a recorded :class:`~nki_kernels.emulator.trace.Trace` on ``target``.
 
     Launches are split where ``trace.launches[k]["first_instruction"]`` says (``estimate`` records
     ``run_kernel`` records
     it); without that key the whole trace is one schedule paying ``len(launches)`` overheads.
+    ``schedules``: a list to which each launch's ``(first, stop, t_launch_ns, _Schedule)`` is
+    appended, its DMA queue segments logged (``_DmaSim.log``), for the profiler; times unchanged.
     """
+    if schedules is None and _observers:
+        schedules = []
     gen = hardware.generation(target)
     cp = gen.cost
     instrs = list(trace.instructions)
@@ -185,6 +194,9 @@ def model_trace(trace, target="trn3", lnc=None, launch_ns=None) -> CostReport:
             continue
         nprog = max(ins.program for ins in part) + 1
         sim = _Schedule(part, gen, nprog)
+        if schedules is not None:
+            sim.dmasim.log = []
+            schedules.append((a, b, t_launch, sim))
         sim.run()
         sim.collect(acc)
         crit.extend((e, o, s + t_launch, x + t_launch) for (e, o, s, x) in sim.critical_path())
@@ -192,7 +204,7 @@ def model_trace(trace, target="trn3", lnc=None, launch_ns=None) -> CostReport:
     t0 += (n_overheads - len(bounds)) * L_ns
     busy = {e: max((c.get(e, 0.0) for c in acc.per_core), default=0.0) for e in ENGINES}
     binding = max(ENGINES, key=lambda e: busy[e]) if any(busy.values()) else "dma"
-    return CostReport(
+    rep = CostReport(
         target=gen.name, lnc=lnc, total_ns=t0, engine_busy_ns=busy,
         tensor_flops=acc.flops, transpose_flops=acc.tflops_t,
         hbm_read_bytes=int(acc.hbm_r), hbm_write_bytes=int(acc.hbm_w),
@@ -201,6 +213,9 @@ def model_trace(trace, target="trn3", lnc=None, launch_ns=None) -> CostReport:
         launch_ns=L_ns, makespan_ns=t0 - n_overheads * L_ns, per_core_busy_ns=acc.per_core,
         dma_transfers=acc.n_dma, dma_bytes=int(acc.dma_bytes), dma_descriptors=int(acc.n_desc),
         tensor_ideal_ns=acc.ideal, throttle_ns=acc.throttle, flops_by_kind=dict(acc.by_kind))
+    for obs in list(_observers):
+        obs(trace, schedules, rep)
+    return rep
 
 
 def dependencies(trace, target="trn3"):
@@ -371,7 +386,7 @@ class _Item:
     """One instruction prepared for scheduling."""
 
     __slots__ = ("i", "ins", "prog", "q", "kind", "occ", "ls", "slots", "bg", "lat_same",
-                 "lat_cross", "deps", "partner", "cals", "segs", "issuer", "dge", "fl")
+                 "lat_cross", "deps", "partner", "cals", "segs", "issuer", "dge", "fl", "nd")
 
     def __init__(self, i, ins):
         self.i = i
@@ -392,6 +407,7 @@ class _Item:
         self.issuer = None     # DMA: "sp" | "scalar" | "gpsimd"
         self.dge = None        # DMA: HW-DGE instance
         self.fl = None         # (kind, flops) for TensorE
+        self.nd = 0            # DMA: descriptors (profiler)
 
 
 def _kind_of(dtypes):
@@ -634,6 +650,7 @@ class _Costs:
             segs = [(k, work, hbm / nq) for k in range(nq)]
             n_desc = nd * nq
         it.segs = segs
+        it.nd = n_desc
         # who triggers it
         dge = a.get("dge", "unknown")
         issuer = a.get("issuer", "unknown")
@@ -803,6 +820,7 @@ class _DmaSim:
         self.seq = 0
         self.t_sem = cp.dma_sem_cycles / cp.f_sp
         self.lat = cp.dma_lat_ns
+        self.log = None         # profiler: list of (instruction, prog, queue, start, end) or None
 
     def add(self, tr, segs, dge_end):
         for (k, work, hbm) in segs:
@@ -902,6 +920,8 @@ class _DmaSim:
                 q = self.Q[s.tr.prog][s.k]
                 q.active = None
                 q.last = s.tr.i
+                if self.log is not None:
+                    self.log.append((s.tr.i, s.tr.prog, s.k, s.start, t))
                 q.out -= 1
                 heapq.heappush(q.free, t)
                 if q.pending:

@@ -8,6 +8,8 @@ K/M/N, perf mode, DMA mode, ...).
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from dataclasses import dataclass, field
 
 from . import runtime as rt
@@ -48,6 +50,7 @@ class Instruction:
     writes: list
     attrs: dict = field(default_factory=dict)
     name: str | None = None
+    src: tuple | None = None   # (file, line, function) of the kernel code that issued it
 
 
 class Trace:
@@ -158,6 +161,18 @@ def _hbm_rect(t, st, off, isz, dims):
     return (b_lo // pitch, (b_hi - 1) // pitch + 1), (0, pitch)   # rows spanned, whole rows
 
 
+_EMULATOR_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _issuer():
+    """(file, line, function) of the innermost frame outside the emulator: the kernel source
+    line that issued the instruction (a few frame hops; only paid while tracing)."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_EMULATOR_DIR + os.sep):
+        f = f.f_back
+    return (f.f_code.co_filename, f.f_lineno, f.f_code.co_name) if f is not None else None
+
+
 def record(engine, opcode, reads, writes, attrs=None, name=None):
     """Append an instruction to every open trace. ``reads``/``writes``: [(role, tensor)]."""
     core = rt.maybe_core()
@@ -166,7 +181,8 @@ def record(engine, opcode, reads, writes, attrs=None, name=None):
              if t is not None and getattr(t, "_vec", None) is not None]
     ins = Instruction(0, core.program_id if core else 0, engine, opcode,
                       [operand(r, t) for r, t in list(reads) + extra if t is not None],
-                      [operand(r, t) for r, t in writes if t is not None], attrs or {}, name)
+                      [operand(r, t) for r, t in writes if t is not None], attrs or {}, name,
+                      _issuer())
     for tr in rt._tracers:
         ins.seq = len(tr.instructions)
         tr.instructions.append(ins)
