@@ -30,8 +30,42 @@ class NkiDtype:
     def __repr__(self):
         return f"nl.{self.name}"
 
+    def __str__(self):
+        # NKI Library compares dtype names: str(nl.bfloat16) == "bfloat16"
+        return self.name
+
+    def __format__(self, spec):
+        # the emulator's messages say "nl.bfloat16"; str() keeps the bare name
+        return format(repr(self), spec)
+
     def __reduce__(self):
         return (by_name, (self.name,))
+
+    # NumPy interoperability: ``np.dtype(nl.bfloat16)``, ``np.zeros(s, dtype=nl.float32)`` and
+    # ``arr.astype(nl.float16)`` use this attribute (NumPy's ``.dtype`` protocol). x4 types give
+    # their uint container tagged with the NKI name in the dtype's metadata, so host arrays of
+    # packed MX data keep their identity when passed into a kernel.
+    @property
+    def dtype(self):
+        return _NP_OF[self.name]
+
+    def __eq__(self, other):
+        if isinstance(other, NkiDtype):
+            return other is self
+        if isinstance(other, (str, np.dtype, type)):
+            try:
+                return from_numpy(other) is self if not isinstance(other, str) \
+                    else other == self.name
+            except TypeError:
+                return False
+        return NotImplemented
+
+    def __ne__(self, other):
+        r = self.__eq__(other)
+        return r if r is NotImplemented else not r
+
+    def __hash__(self):
+        return hash(("nki-dtype", self.name))
 
     @property
     def is_float(self):
@@ -88,6 +122,14 @@ for _dt in ALL:
         _FROM_NP.setdefault(_dt.np, _dt)
 _FROM_NP[np.dtype(np.bool_)] = bool_
 
+
+def _x4_np(d):
+    return np.dtype(d.np, metadata={"nki_dtype": d.name})
+
+
+_NP_OF = {d.name: (_x4_np(d) if d.kind == "x4" else np.dtype(np.bool_) if d is bool_ else d.np)
+          for d in ALL}
+
 FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 # Generation gates for dtypes (nki-spec §0.2 item 6, §9.1.1): gen4-only formats.
 GEN4_ONLY = {"float8_e4m3fn_x4", "float8_e5m2_x4", "float4_e2m1fn_x4", "float8_e8m0fnu"}
@@ -99,7 +141,12 @@ def by_name(name: str) -> NkiDtype:
 
 def from_numpy(npd) -> NkiDtype:
     """The NKI dtype of a NumPy/ml_dtypes array dtype (kernel arguments)."""
+    if isinstance(npd, NkiDtype):
+        return npd
     npd = np.dtype(npd)
+    meta = npd.metadata
+    if meta and meta.get("nki_dtype") in _BY_NAME:
+        return _BY_NAME[meta["nki_dtype"]]
     try:
         return _FROM_NP[npd]
     except KeyError:
@@ -111,8 +158,19 @@ def as_nki_dtype(dtype, where: str) -> NkiDtype:
     """Accept only NKI dtype objects, as the real API does since 0.2 (nki-spec §5.1)."""
     if isinstance(dtype, NkiDtype):
         return dtype
+    from . import versions
+    if versions.status("NumPy or string dtypes inside kernels") != "removed":
+        # NKI 0.3-0.6 (and NKI Library, written for 0.3) pass strings and NumPy dtypes
+        try:
+            d = _BY_NAME[dtype] if isinstance(dtype, str) else from_numpy(dtype)
+        except (KeyError, TypeError):
+            d = None
+        if d is not None:
+            versions.check("NumPy or string dtypes inside kernels", where, exc=TypeError)
+            return d
     raise TypeError(f"{where}: dtype must be an NKI dtype object such as nl.bfloat16 or nl.float32; "
-                    f"got {dtype!r} (NumPy dtypes and strings are not accepted inside kernels)")
+                    f"got {dtype!r} (NumPy dtypes and strings are not accepted inside kernels "
+                    f"since NKI 0.7; the emulator follows NKI {versions.current()})")
 
 
 def sentinel_fill(raw: np.ndarray, dtype: NkiDtype) -> None:

@@ -94,12 +94,14 @@ class Kernel:
 def jit(fn=None, **kwargs):
     """``@nki.jit`` / ``@nki.jit()`` / ``nki.jit(f)``. ``mode=`` and ``platform_target=`` are
     rejected (removed in NKI 0.3.0)."""
+    from . import versions
     for bad in ("mode", "platform_target"):
         if bad in kwargs:
-            raise NkiValidationError(f"nki.jit({bad}=...) was removed in NKI 0.3.0; use nki.simulate "
-                                     f"or NEURON_PLATFORM_TARGET_OVERRIDE")
+            versions.check(f"nki.jit({bad}=...)", "nki.jit")
+            kwargs = {k: v for k, v in kwargs.items() if k != bad}
     unknown = set(kwargs) - {"compile_config", "specialization_config", "debug_kernel",
-                             "show_compiler_tb", "additional_compile_opt"}
+                             "show_compiler_tb", "additional_compile_opt",
+                             "experimental_flags"}
     if unknown:
         raise TypeError(f"nki.jit: unknown options {sorted(unknown)}")
     if fn is None:

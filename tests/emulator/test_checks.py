@@ -1243,7 +1243,7 @@ def test_bad_launch_grid_rejected(grid, msg):
 
 @pytest.mark.parametrize("kw", ["mode", "platform_target"])
 def test_removed_jit_options_rejected(kw):
-    with pytest.raises(NkiValidationError, match=q(f"nki.jit({kw}=...) was removed in NKI 0.3.0")):
+    with pytest.raises(NkiValidationError, match=q(f"nki.jit: nki.jit({kw}=...) removed in NKI 0.7")):
         jit(_noop, **{kw: "simulation"})
 
 

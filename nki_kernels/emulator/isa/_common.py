@@ -81,8 +81,19 @@ def as_enum(cls, value, instr, param):
     if isinstance(value, str) and value in cls.__members__:
         return cls[value]
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        raise fail(instr, param, f"got the integer {value}; integer enum values are rejected since "
-                                 f"NKI 0.3.0: pass nisa.{cls.__name__}.<member>")
+        from .. import versions
+        if versions.status("integer enum values") == "removed":
+            raise fail(instr, param, f"got the integer {value}; integer enum values are rejected "
+                                     f"(removed in NKI 0.7; the emulator follows NKI "
+                                     f"{versions.current()}): pass nisa.{cls.__name__}.<member>")
+        try:
+            member = cls(int(value))
+        except ValueError:
+            raise fail(instr, param, f"got the integer {value}, which is no nisa.{cls.__name__} "
+                                     f"value ({', '.join(f'{m.name}={m.value}' for m in cls)})") \
+                from None
+        versions.check("integer enum values", f"{instr}: operand {param!r}")
+        return member
     raise fail(instr, param, f"must be a nisa.{cls.__name__} member "
                              f"({', '.join(cls.__members__)}); got {value!r}")
 
