@@ -4,8 +4,10 @@
     nki-kernels bench --target trn2 --op matmul --tier models --json out.jsonl
     nki-kernels bench --list                # what would run (all tiers unless --tier)
     nki-kernels bench --measured            # on a trn2/trn3 instance: device time
+    nki-kernels profile flash_attention --shape "llama-3-8b S=8192" --tier models
+    nki-kernels profile path/to/mod.py:kernel --arg 128x512:bfloat16   # any jitted kernel
 
-See docs/bench.md.
+See docs/bench.md and docs/profiling.md.
 """
 from __future__ import annotations
 
@@ -48,11 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=5, help="measured: warm-up runs (default 5)")
     b.add_argument("--repeats", type=int, default=20, help="measured: timed runs (default 20)")
     b.add_argument("--profile", action="store_true",
-                   help="measured: also capture a profile (neuron-explorer, 2nd execution)")
+                   help="write a profile of each row: the modeled timeline (trace JSON and "
+                        "summary, docs/profiling.md); measured: a neuron-explorer capture")
     b.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     b.add_argument("--list", action="store_true", help="list the cases and exit")
     b.add_argument("--no-plot", action="store_true", help="skip the roofline PNG")
     b.add_argument("--quiet", action="store_true", help="no progress bar, no table on stdout")
+    _profile_parser(sub)
     return p
 
 
@@ -64,6 +68,8 @@ def _ops(values):
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "profile":
+        return _profile(args)
     if args.command != "bench":
         _parser().print_help(sys.stderr)
         return 2
@@ -92,8 +98,12 @@ def _bench(args) -> int:
     if args.list:
         return _list(ops, args.tier, args.target, args.shape)
     tier = args.tier or "fast"
+    run = harness.run
+    if args.profile and not args.measured:
+        run = _profiled_bench(harness, (out_dir or harness.default_out_dir()) / "profiles",
+                              quiet=args.quiet)
     try:
-        rows = harness.run(ops, tier, args.target, measured=True if args.measured else None,
+        rows = run(ops, tier, args.target, measured=True if args.measured else None,
                            shape=args.shape,
                            seed=args.seed, warmup=args.warmup, repeats=args.repeats,
                            profile_dir=(out_dir or harness.default_out_dir()) / "profiles"
@@ -147,6 +157,223 @@ def _list(ops, tier, target, shape=None) -> int:
           file=sys.stderr)
     for mod, err in sorted(defs.load().items()):
         print(f"not loaded: bench/defs/{mod}.py ({err})", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------ profile
+def _profile_parser(sub):
+    p = sub.add_parser(
+        "profile", help="engine timeline of a kernel (modeled; --device: neuron-explorer)",
+        description="Model an op's bench case (or any jitted kernel) on the emulator and write its "
+                    "engine timeline as Chrome/Perfetto trace JSON (ui.perfetto.dev) with a printed "
+                    "summary: per-engine busy/idle, critical path, top instructions, DMA "
+                    "efficiency, roofline position. All times modeled. See docs/profiling.md.")
+    p.add_argument("op", metavar="OP",
+                   help="a bench op (nki-kernels bench --list), or a kernel given as "
+                        "path/to/module.py:name or package.module:name")
+    p.add_argument("--shape", metavar="TEXT", help="only bench shapes whose name contains TEXT")
+    p.add_argument("--tier", choices=TIERS, default=None, help="shape tier (default fast)")
+    p.add_argument("--target", choices=TARGETS, default="trn3", help="default trn3")
+    p.add_argument("--out", metavar="DIR", type=Path,
+                   help="output directory (default bench/results/profiles)")
+    p.add_argument("--arg", action="append", default=[], metavar="SPEC",
+                   help="module kernels: one input, in order, or NAME=SPEC for a keyword: "
+                        "SHAPE[:DTYPE] for a random array (128x512:bfloat16; dtype default "
+                        "bfloat16) or a Python literal (3, True, 'causal'); without --arg the "
+                        "module's profile_inputs() supplies them")
+    p.add_argument("--lnc", type=int, choices=(1, 2), default=1, help="module kernels: LNC")
+    p.add_argument("--max-events", type=int, default=None, metavar="N",
+                   help="aggregate the trace past N boxes (default 100000)")
+    p.add_argument("--top", type=int, default=12, help="rows of the top-instructions table")
+    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    p.add_argument("--device", action="store_true",
+                   help="on a trn instance: capture with neuron-explorer / neuron-profile and "
+                        "print the device summary beside the modeled one")
+    p.add_argument("--quiet", action="store_true", help="no summary on stdout")
+
+
+def _profile(args) -> int:
+    from nki_kernels.emulator import profile as prof
+    out_dir = args.out
+    if args.device:
+        return _profile_device(args)
+    os.environ.setdefault("NKI_KERNELS_BACKEND", "emulator")
+    try:
+        jobs = _profile_jobs(args)
+    except (ValueError, KeyError, ImportError, AttributeError, OSError) as e:
+        print(f"nki-kernels profile: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    if out_dir is None:
+        from nki_kernels.bench.harness import default_out_dir
+        out_dir = default_out_dir() / "profiles"
+    from nki_kernels.emulator import target as emulated_target
+    kw = {"max_events": args.max_events} if args.max_events else {}
+    for label, fn, fargs, fkw, lnc in jobs:
+        with emulated_target(args.target):
+            p = prof.profile(fn, *fargs, target=args.target, lnc=lnc, name=label, **kw, **fkw)
+        paths = p.write(out_dir, f"{prof.slug(label)}_{args.target}")
+        if not args.quiet:
+            print(p.summary(args.top) + "\n")
+        print(f"wrote {paths['trace']} (open in ui.perfetto.dev), {paths['summary']}",
+              file=sys.stderr)
+    return 0
+
+
+def _profile_jobs(args):
+    """[(label, callable, args, kwargs, lnc)] for a bench op or a module kernel."""
+    if ":" in args.op:
+        return [_module_job(args)]
+    from nki_kernels.bench import harness
+    tier = args.tier or getattr(harness, "DEFAULT_TIER", "fast")
+    try:
+        cases = harness.select([args.op], tier, args.target, args.shape)
+    except harness.BenchError as e:
+        raise ValueError(f"{e} (or give a kernel as path/to/module.py:name)") from None
+    if not cases:
+        raise ValueError(f"no {args.op} case in tier {tier}"
+                         + (f" with a shape containing {args.shape!r}" if args.shape else "")
+                         + "; see nki-kernels bench --list --op " + args.op)
+    return [(f"{c.op} {c.shape} {c.dtype}", c.run,
+             c.make_inputs(harness.case_rng(c, args.seed)), {}, c.lnc) for c in cases]
+
+
+def _module_job(args):
+    import importlib
+    import importlib.util
+
+    from nki_kernels import emulator
+    emulator.install()                      # third-party kernels `import nki`: the emulator
+    mod_name, _, kname = args.op.rpartition(":")
+    if mod_name.endswith(".py"):
+        path = Path(mod_name)
+        if not path.is_file():
+            raise OSError(f"no such file: {path}")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = mod
+        spec.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(mod_name)
+    if not hasattr(mod, kname):
+        raise AttributeError(f"{mod_name} has no kernel {kname!r}")
+    fn = getattr(mod, kname)
+    if not isinstance(fn, emulator.Kernel):
+        fn = emulator.jit(fn)
+    rng = __import__("numpy").random.default_rng(args.seed)
+    if args.arg:
+        pos, kw = [], {}
+        for spec in args.arg:
+            name, eq, val = spec.partition("=")
+            if eq and name.isidentifier():
+                kw[name] = _input(val, rng)
+            else:
+                pos.append(_input(spec, rng))
+        fargs = tuple(pos)
+    elif hasattr(mod, "profile_inputs"):
+        got = mod.profile_inputs()
+        fargs, kw = (tuple(got[0]), dict(got[1])) if (
+            isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict)) else (
+            tuple(got), {})
+    else:
+        raise ValueError(f"{args.op}: no inputs; pass --arg SHAPE[:DTYPE] per kernel argument "
+                         f"or define profile_inputs() in the module (docs/profiling.md)")
+    return (kname, fn, fargs, kw, args.lnc)
+
+
+def _input(spec, rng):
+    """SHAPE[:DTYPE] -> random array (normal; integers in [0, 128)); else a Python literal."""
+    import ast
+    import re
+
+    import numpy as np
+    m = re.fullmatch(r"(\d+(?:x\d+)*)(?::(\w+))?", spec.strip())
+    if not m:
+        try:
+            return ast.literal_eval(spec)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--arg {spec!r}: expected SHAPE[:DTYPE] (e.g. 128x512:bfloat16) "
+                             f"or a Python literal") from None
+    shape = tuple(int(d) for d in m.group(1).split("x"))
+    name = m.group(2) or "bfloat16"
+    import ml_dtypes
+    try:
+        dt = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+    except TypeError:
+        raise ValueError(f"--arg {spec!r}: unknown dtype {name!r}") from None
+    if dt.kind in "iub":
+        return rng.integers(0, 128, size=shape).astype(dt)
+    return rng.standard_normal(shape).astype(np.float32).astype(dt)
+
+
+def _profiled_bench(harness, profile_dir, quiet=False):
+    """harness.run, one case at a time, writing each modeled row's profile (bench --profile)."""
+    from nki_kernels.emulator import profile as prof
+
+    def run(ops=None, tier="fast", target="trn3", **kw):
+        if kw.get("measured") or harness.backend_name() != "emulator":
+            return harness.run(ops, tier, target, **kw)     # device: neuron-explorer capture
+        cases = kw.pop("cases", None) or harness.select(ops, tier, target, kw.get("shape"))
+        rows = []
+        for c in cases:
+            with prof.capture() as got:
+                row = harness.run(ops, tier, target, **{**kw, "cases": [c]})[0]
+            if got and not row.get("error"):
+                trace, schedules, rep = got[-1]
+                p = prof.Profile(trace, schedules, rep, name=f"{c.op} {c.shape} {c.dtype}")
+                paths = p.write(profile_dir, f"{prof.slug(p.name)}_{target}")
+                row["profile"] = {"modeled_trace": str(paths["trace"]),
+                                  "modeled_summary": str(paths["summary"])}
+                if not quiet:
+                    print(f"profile: {paths['trace']}", file=sys.stderr)
+            rows.append(row)
+        return rows
+    return run
+
+
+def _profile_device(args) -> int:
+    """neuron-explorer capture of a bench op on a trn instance, beside the modeled profile.
+    Written from the Neuron docs (hardware.md B.1, B.2); never run here (no device)."""
+    import json
+    import subprocess
+    import time
+    out_dir = args.out
+    if out_dir is None:
+        from nki_kernels.bench.harness import default_out_dir
+        out_dir = default_out_dir() / "profiles"
+    os.environ.setdefault("NKI_ARTIFACTS_DIR", str((out_dir / "artifacts").resolve()))
+    from nki_kernels.bench import device
+    ok, why = device.status()
+    if not ok:
+        print(f"nki-kernels profile --device: {why}", file=sys.stderr)
+        return 2
+    if device.profiler() is None:
+        print("nki-kernels profile --device: neither neuron-explorer nor neuron-profile is on PATH",
+              file=sys.stderr)
+        return 2
+    from nki_kernels.bench import harness
+    from nki_kernels.emulator import profile as prof
+    tier = args.tier or getattr(harness, "DEFAULT_TIER", "fast")
+    cases = harness.select([args.op], tier, args.target, args.shape)
+    for c in cases:
+        label = f"{c.op} {c.shape} {c.dtype}"
+        stem = f"{prof.slug(label)}_{args.target}"
+        inputs = c.make_inputs(harness.case_rng(c, args.seed))
+        t0 = time.time()
+        c.run(*inputs)                                   # compile + run: leaves the NEFF
+        c.run(*inputs)
+        neffs = device._new_neffs(os.environ["NKI_ARTIFACTS_DIR"], t0)
+        if not neffs:
+            print(f"nki-kernels profile --device: {label}: no NEFF was written", file=sys.stderr)
+            return 1
+        measured = device.capture_profile(neffs[-1], inputs, out_dir)
+        (out_dir / f"{stem}.device.json").write_text(json.dumps(measured, indent=1))
+        # the modeled side runs on the emulator, in a child process (kernels here are real nki)
+        env = dict(os.environ, NKI_KERNELS_BACKEND="emulator")
+        subprocess.run([sys.executable, "-m", "nki_kernels.cli", "profile", c.op, "--tier", tier,
+                        "--target", args.target, "--shape", c.shape, "--out", str(out_dir),
+                        "--quiet"], env=env, check=True)
+        modeled = json.loads((out_dir / f"{stem}.summary.json").read_text())
+        print(prof.side_by_side(measured, modeled, label))
     return 0
 
 
