@@ -8,9 +8,12 @@ from .attention.flash_attention import flash_attention
 from .dense.matmul import matmul
 from .dense.qkv_proj import QKVOutput, qkv_proj
 from .dense.swiglu_mlp import swiglu_mlp, tile_weight
+from .moe.fused_moe import fused_moe, tile_expert_weights
+from .moe.router_topk import router_topk
 from .quant.mxfp8_matmul import MXTensor, mxfp8_matmul, quantize_weights_mx
 from .quant.rmsnorm_quant import rmsnorm_quant
 
 __version__ = "0.1.0"
 __all__ = ["matmul", "flash_attention", "qkv_proj", "QKVOutput", "swiglu_mlp", "tile_weight",
-           "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "MXTensor"]
+           "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "MXTensor",
+           "router_topk", "fused_moe", "tile_expert_weights"]

@@ -1,0 +1,1 @@
+"""Mixture-of-experts ops: ``router_topk`` and ``fused_moe`` (docs/moe.md)."""

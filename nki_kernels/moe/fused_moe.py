@@ -1,0 +1,698 @@
+"""Fused MoE: ``y = sum_k w_k * down_k(silu(gate_k(x)) * up_k(x)) (+ shared(x))``.
+
+Two kernels on the weight-stationary GEMM passes of ``nki_kernels.dense`` (docs/moe.md):
+
+* **decode** (T <= 64 by default): one loop iteration per *distinct* chosen expert (a hardware
+  ``fori_loop`` over a runtime count); the expert id is loaded into a register and the expert's
+  weight tiles are read through a dynamic offset (``select(0, reg)``), once, whatever the number
+  of tokens that chose it. All T tokens ride through every chosen expert: at T <= 64 a matmul
+  costs its 64-cycle floor anyway, so the extra token columns are free, and a per-token combine
+  row (the routing weight, 0 for tokens that did not choose the expert) scales the intermediate.
+  The weighted outputs accumulate in an fp32 SBUF tile; nothing is copied in HBM.
+* **prefill**: tokens grouped by expert into blocks of ``tb`` tokens (padded); one loop
+  iteration per block gathers its token rows (indirect DMA), runs the expert's blockwise GEMMs,
+  and scatter-adds the weighted rows into an fp32 HBM accumulator (DMA read-modify-write).
+
+The routing plan (distinct experts, per-expert token lists, padding) is computed on the host from
+``topk_ids`` / ``topk_weights`` (as vLLM's ``moe_align_block_size`` and FlashInfer's plan do);
+the kernels take it as int32 / fp32 tensors, so a kernel is specialised only on shapes, never on
+which experts were chosen.
+
+Weights ``w_gate_up [E, H, 2I]`` (gate = columns ``[0, I)``, up = ``[I, 2I)``), ``w_down [E, I, H]``:
+bf16, or FP8 (``float8_e4m3``; ``float8_e4m3fn`` on Trn3) with per-output-channel scales
+``[E, 2I]`` / ``[E, H]`` (activations quantized per token inside the kernel, ``double_row``
+GEMMs), row-major or tile-major (``tile_expert_weights``: ``tile_weight`` per expert).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._validate import check_2d, check_dtype, dtype_name, is_torch
+from ..backend import launch, nisa, nki, nl
+from ..dense import _tiles as D
+from ..dense._tiles import P, cdiv, tile_weight
+from ..dense.qkv_proj import _sbuf_budget
+from ..dense.swiglu_mlp import (
+    NCOLS_MAX,
+    _evict_y,
+    _Fp8,
+    _gate_evict,
+    _runs,
+    _silu_evict,
+    _store_y,
+    _x_block,
+    _x_quantize,
+)
+
+_FP8 = ("float8_e4m3", "float8_e4m3fn")
+DECODE_T_MAX = 64        # default regime switch (docs/moe.md): the 64-cycle matmul floor
+TB_CHOICES = (128, 256, 384, 512)   # prefill block sizes the host plan chooses from
+RIDGE_TOKENS = 149       # Trn3 bf16 / FP8 ridge in tokens per weight stream (docs/dense.md)
+
+
+# ------------------------------------------------------------------------------ host side
+@dataclass(frozen=True)
+class MoEPlan:
+    """Tile choices of one call (compile-time; data-independent except ``tb`` in prefill).
+
+    regime: "decode" or "prefill".  tb: tokens per GEMM (decode: T; prefill: the block size).
+    combined: gate and up accumulate in the same pass (two sets of accumulators fit PSUM).
+    nf_gu, nf_d: feature tiles per pass; kb_gu, kb_d: k-tiles per weight DMA.
+    """
+
+    regime: str
+    tb: int
+    combined: bool
+    nf_gu: int
+    nf_d: int
+    kb_gu: int
+    kb_d: int
+
+
+def plan_tiles(regime, tb, H, I, w_bytes, tiled) -> MoEPlan:
+    """Pass widths and DMA sizes, as ``swiglu_mlp``'s plan picks them for one token block."""
+    KT, KI = cdiv(H, P), cdiv(I, P)
+    combined = D.max_tiles_per_pass(tb, 2) >= 8 or D.max_tiles_per_pass(tb, 2) >= KI
+    ncap = NCOLS_MAX // P
+    nf_gu = min(D.max_tiles_per_pass(tb, 2 if combined else 1), ncap, KI)
+    nf_d = min(D.max_tiles_per_pass(tb, 1), ncap, KT)
+    cols_gu, cols_d = (P, P) if tiled else (nf_gu * P, nf_d * P)
+    kb_gu = D.k_tiles_per_dma(cols_gu, w_bytes, H, 4096)
+    kb_d = D.k_tiles_per_dma(cols_d, w_bytes, I, 4096)
+    return MoEPlan(regime, tb, combined, nf_gu, nf_d, kb_gu, kb_d)
+
+
+def _sbuf_need(tb, H, I, w_bytes, fp8, plan):
+    """Per-partition SBUF bytes of one expert step (upper bound): xT, h, the weight ring (3
+    transfers in flight), the silu tile, two yT buffers, the gathered rows (FP8: and their
+    quantization temporaries), fixed tiles."""
+    KT, KI = cdiv(H, P), cdiv(I, P)
+    a = 1 if fp8 else 2
+    ring = 3 * 2 * plan.kb_gu * plan.nf_gu * P * w_bytes
+    rows = cdiv(tb, P) * H * (5 if fp8 else 2)
+    return (KT * tb * a + KI * tb * (3 if fp8 else 2) + ring + plan.nf_gu * tb * 8
+            + 2 * plan.nf_d * tb * 4 + rows + 8 * 1024)
+
+
+def local_ids(topk_ids, n_local, expert_offset=0):
+    """Global ids -> local ids ``[T, k]`` int64, -1 where the id is not a local expert."""
+    ids = np.asarray(topk_ids).astype(np.int64) - int(expert_offset)
+    return np.where((ids >= 0) & (ids < n_local), ids, -1)
+
+
+def _combine(lids, w, n_local):
+    """Dense routing weights ``[E, T]`` fp32 (an expert listed twice for a token: summed)."""
+    T = lids.shape[0]
+    c = np.zeros((n_local, T), np.float32)
+    t, j = np.nonzero(lids >= 0)
+    np.add.at(c, (lids[t, j], t), w[t, j])
+    return c
+
+
+def plan_decode_routing(lids, w, n_local):
+    """Decode routing plan: (experts [1, S] int32, count [1, 1] int32, combine [S, T] fp32).
+
+    ``experts[0, :count]`` are the distinct chosen local experts in ascending order; row s of
+    ``combine`` holds the weight of each token for expert ``experts[s]`` (0 if it did not choose
+    it). S = min(E, T*k) slots, so the shapes depend on (T, k, E) only."""
+    T, k = lids.shape
+    S = max(1, min(n_local, T * k))
+    c = _combine(lids, w, n_local)
+    chosen = np.unique(lids[lids >= 0])
+    experts = np.zeros((1, S), np.int32)
+    experts[0, :chosen.size] = chosen
+    comb = np.zeros((S, T), np.float32)
+    comb[:chosen.size] = c[chosen]
+    return experts, np.array([[chosen.size]], np.int32), comb
+
+
+def choose_block(counts, tb_cap):
+    """Prefill block size: the tb of ``TB_CHOICES`` (<= tb_cap) minimising the modeled time
+    ``sum_e ceil(n_e / tb) * max(tb, RIDGE_TOKENS)``: a block costs its padded tokens on TensorE,
+    or its weight stream when it has fewer tokens than the ridge. Ties go to the larger block."""
+    best = None
+    for tb in TB_CHOICES:
+        if tb > tb_cap:
+            continue
+        cost = sum(-(-int(n) // tb) * max(tb, RIDGE_TOKENS) for n in counts if n)
+        if best is None or cost <= best[0]:
+            best = (cost, tb)
+    return best[1] if best else min(TB_CHOICES)
+
+
+def plan_prefill_routing(lids, w, n_local, tb):
+    """Prefill routing plan, blocks of ``tb`` tokens of one expert each:
+    (block_expert [1, NB] int32, count [1, 1] int32, gather [NB, tb] int32, scatter [NB, tb]
+    int32, weight [NB, tb] fp32). Padding slots gather a real token of the block (weight 0)
+    and scatter to row T (out of bounds: skipped). NB = ceil(T*k / tb) + min(E, T*k) slots."""
+    T, k = lids.shape
+    c = _combine(lids, w, n_local)
+    A = T * k
+    NB = max(1, -(-A // tb) + min(n_local, A))
+    be = np.zeros((1, NB), np.int32)
+    gi = np.zeros((NB, tb), np.int32)
+    si = np.full((NB, tb), T, np.int32)
+    bw = np.zeros((NB, tb), np.float32)
+    nb = 0
+    for e in np.unique(lids[lids >= 0]):
+        toks = np.unique(np.nonzero(lids == e)[0])
+        for b0 in range(0, toks.size, tb):
+            tk = toks[b0:b0 + tb]
+            be[0, nb] = e
+            gi[nb, :] = tk[0]
+            gi[nb, :tk.size] = tk
+            si[nb, :tk.size] = tk
+            bw[nb, :tk.size] = c[e, tk]
+            nb += 1
+    return be, np.array([[nb]], np.int32), gi, si, bw
+
+
+def tile_expert_weights(w):
+    """Expert weights ``[E, K, N]`` -> tile-major ``[E, N/128, 128, KTe, 128]`` (``tile_weight``
+    per expert; host side, once at load time). K, N multiples of 128."""
+    shape = tuple(getattr(w, "shape", ()))
+    if len(shape) != 3:
+        raise ValueError(f"tile_expert_weights: w must be 3-D [E, K, N]; got shape {list(shape)}")
+    if is_torch(w):
+        import torch
+        return torch.stack([tile_weight(w[e]) for e in range(shape[0])])
+    return np.stack([tile_weight(np.asarray(w)[e]) for e in range(shape[0])])
+
+
+def _col_layout(s, n):
+    """Per-channel scales ``[E, n]`` -> ``[E, 128, n/128]`` (``out[e, p, t] = s[e, t*128 + p]``):
+    the per-partition column layout of the feature-major GEMM outputs, one DMA run per partition."""
+    E = s.shape[0]
+    return np.ascontiguousarray(s.reshape(E, n // P, P).transpose(0, 2, 1))
+
+
+# ---------------------------------------------------------------------------- kernel side
+def _expert_step(xT, A, tb, H, I, wg, wu, wd, wrow, q, plan, tiled, sink):
+    """One expert on the token columns of ``xT [128, KT, tb]``: gate/up passes -> the weighted
+    intermediate ``hT [128, KI, tb]`` (``wrow [128, tb]`` per-token weights, None = 1), then the
+    down passes, each handed to ``sink(acc [128, nf, Tp] PSUM, j0, widths, B)``."""
+    KI = cdiv(I, P)
+    fp8 = q is not None
+    Tp = D.acc_free(tb)
+    gu_tiles = D.feature_tiles([(0, I, 0)])
+    if fp8:
+        h_parts = []
+        hmax = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)            # [128, tb]
+    else:
+        hT = nl.ndarray((P, KI, tb), dtype=nl.bfloat16, buffer=nl.sbuf)         # [128, KI, tb]
+    for pi, (i0, i1) in enumerate(D.group_passes(gu_tiles, plan.nf_gu)):
+        widths = [gu_tiles[i][1] for i in range(i0, i1)]
+        c0 = gu_tiles[i0][0]
+        if plan.combined:
+            acc_g, acc_u = D.gemm_pass([wg, wu], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
+                                       tiled=tiled)
+        else:
+            acc_g = D.gemm_pass([wg], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
+                                tiled=tiled)[0]
+        sg = _silu_evict(acc_g, widths, tb, q, A, i0)                           # [128, nf, tb]
+        del acc_g
+        if wrow is not None:   # the routing weight of each token (0: it did not choose it)
+            nisa.tensor_tensor(dst=sg, data1=sg, data2=wrow.expand_dim(1).broadcast(1, i1 - i0),
+                               op=nl.multiply, engine=nisa.engine.gpsimd)
+        if not plan.combined:
+            acc_u = D.gemm_pass([wu], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
+                                tiled=tiled)[0]
+        if fp8:
+            hp = nl.ndarray((P, i1 - i0, tb), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, nf, tb]
+            _gate_evict(hp, sg, acc_u, widths, tb, q, i0, 0)
+            q.track_max(hmax, hp, tb, pi == 0)
+            h_parts.append((i0, i1, hp))
+        else:
+            _gate_evict(hT, sg, acc_u, widths, tb, None, i0, i0)
+        del acc_u, sg
+    B = None
+    if fp8:
+        hT, B = q.quantize_h(h_parts, hmax, KI, tb)
+    d_tiles = D.feature_tiles([(0, H, 0)])
+    for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
+        widths = [d_tiles[j][1] for j in range(j0, j1)]
+        acc = D.gemm_pass([wd], hT, I, tb, Tp, widths, d_tiles[j0][0], plan.kb_d, fp8,
+                          tiled=tiled)[0]
+        sink(acc, j0, widths, B)
+        del acc
+
+
+def _expert_views(w_gu, w_d, e, I, tiled):
+    """(gate, up, down) views of expert ``e`` (an int or a register: a dynamic offset)."""
+    KI = cdiv(I, P)
+    wgu = w_gu.select(0, e) if e is not None else w_gu
+    wd = w_d.select(0, e) if e is not None else w_d
+    if tiled:
+        return wgu[0:KI], wgu[KI:2 * KI], wd
+    return wgu[:, 0:I], wgu[:, I:2 * I], wd
+
+
+def _load_scales(q, s_gu, s_d, e, I, H):
+    """FP8 per-channel scale columns of expert ``e`` (column layout [128, n/128]) into q.ws."""
+    KI, KT = I // P, H // P
+    sgu = nl.ndarray((P, 2 * KI), dtype=nl.float32, buffer=nl.sbuf)          # [128, 2KI]
+    nisa.dma_copy(dst=sgu, src=s_gu.select(0, e) if e is not None else s_gu)
+    sd = nl.ndarray((P, KT), dtype=nl.float32, buffer=nl.sbuf)                # [128, KT]
+    nisa.dma_copy(dst=sd, src=s_d.select(0, e) if e is not None else s_d)
+    q.ws = (sgu[:, 0:KI], sgu[:, KI:2 * KI], sd)
+
+
+def _row_broadcast(src_row, n):
+    """HBM row view ``[1, n]`` (fp32) -> SBUF ``[128, n]``, the same row on every partition."""
+    out = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)                # [128, n]
+    nisa.dma_copy(dst=out, src=src_row.broadcast(0, P))
+    return out
+
+
+@nki.jit
+def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh_gu, sh_d,
+                            ss_gu, ss_d, combined, nf_gu, nf_d, kb_gu, kb_d, tiled):
+    """Decode MoE: each distinct chosen expert read once, all tokens through it.
+
+    Dimensions:
+      1 <= T <= 128 tokens, H hidden, I expert width, E local experts, S = min(E, T*k) slots.
+    Args:
+      x: [T, H] bf16 HBM.  w_gu: [E, H, 2I], w_d: [E, I, H] (tiled: [E, 2I/128, 128, KTe, 128],
+        [E, H/128, 128, KTe, 128]) bf16 or FP8, HBM.
+      experts: [1, S] int32 (the first n_active are the distinct chosen local experts).
+      n_active: [1, 1] int32.  comb: [S, T] fp32 routing weight of each token per slot.
+      s_gu: [E, 128, 2I/128], s_d: [E, 128, H/128] fp32 FP8 scale columns, else None.
+      sh_gu: [H, 2Is], sh_d: [Is, H] shared expert (ss_gu, ss_d its FP8 scale columns) or None.
+      combined, nf_gu, nf_d, kb_gu, kb_d, tiled: from MoEPlan.
+    Returns:
+      y: [T, H] bf16, shared HBM.
+    Notes:
+      fp32 accumulation of the weighted expert sum (SBUF); x, h rounded to bf16 (or FP8 per
+      token) as GEMM inputs.
+    Pseudocode:
+      xT[h, t] = x[t, h]                                     # PE transposes (FP8: quantized)
+      yacc[h, t] = shared(x)[t, h] or 0                      # fp32 SBUF
+      fori s in [0, n_active):                                # hardware loop, runtime count
+        e = register(experts[s]); w[t] = comb[s, t]
+        hT[i, t] = w[t] * silu(Wg[e].T @ xT) * (Wu[e].T @ xT)   # weights via select(0, e)
+        yacc[h, t] += (Wd[e].T @ hT)[h, t]
+      y[t, h] = transpose(yacc)
+    """
+    T, H = x.shape
+    I = w_gu.shape[1] * P // 2 if tiled else w_gu.shape[2] // 2
+    KT = cdiv(H, P)
+    fp8 = s_gu is not None
+    plan = MoEPlan("decode", T, combined, nf_gu, nf_d, kb_gu, kb_d)
+    y = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    ids_sb = nl.ndarray((1, experts.shape[1]), dtype=nl.int32, buffer=nl.sbuf)   # [1, S]
+    nisa.dma_copy(dst=ids_sb, src=experts)
+    n_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)                     # [1, 1]
+    nisa.dma_copy(dst=n_sb, src=n_active)
+    ident = D.identity(nl.bfloat16)
+    ident_f = D.identity(nl.float32)
+    q = _Fp8(w_gu.dtype, None, None) if fp8 else None
+    rows = D.x_rows_normalised(x, 0, T)
+    _x_quantize(rows, q, all_steps=True)
+    xT, A = _x_block(rows, T, H, None, ident, ident_f, q, w_gu.dtype)
+    yacc = nl.ndarray((P, KT, T), dtype=nl.float32, buffer=nl.sbuf)                # [128, KT, T]
+    nisa.memset(dst=yacc, value=0.0)
+    ev = [0]
+
+    def sink(acc, j0, widths, B):
+        if B is not None:
+            yT = nl.ndarray((P, len(widths), T), dtype=nl.float32, buffer=nl.sbuf)  # [128, nf, T]
+            _evict_y(yT, acc, widths, T, q, B, j0, ev)
+            src = yT
+        else:
+            src = acc
+        for a, b, nn in _runs(widths):
+            nisa.tensor_tensor(dst=yacc[0:nn, j0 + a:j0 + b, :], data1=yacc[0:nn, j0 + a:j0 + b, :],
+                               data2=src[0:nn, a:b, 0:T], op=nl.add)
+
+    if sh_gu is not None:      # the shared expert: static weights, every token, weight 1
+        Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
+        if fp8:
+            _load_scales(q, ss_gu, ss_d, None, Is, H)
+        sg_, su_, sd_ = _expert_views(sh_gu, sh_d, None, Is, tiled)
+        sp = plan_tiles("decode", T, H, Is, 1 if fp8 else 2, tiled)
+        _expert_step(xT, A, T, H, Is, sg_, su_, sd_, None, q, sp, tiled, sink)
+
+    n_reg = nisa.register_alloc()
+    nisa.register_load(dst=n_reg, src=n_sb)
+
+    def body(s):
+        e = nisa.register_alloc()
+        nisa.register_load(dst=e, src=ids_sb[0:1, nl.ds(s, 1)])
+        wg, wu, wd = _expert_views(w_gu, w_d, e, I, tiled)
+        if fp8:
+            _load_scales(q, s_gu, s_d, e, I, H)
+        wrow = _row_broadcast(comb[nl.ds(s, 1), :], T)                         # [128, T]
+        _expert_step(xT, A, T, H, I, wg, wu, wd, wrow, q, plan, tiled, sink)
+
+    nl.fori_loop(0, n_reg, body)
+    _store_y(y, None, ident_f, yacc, 0, T, 0, [t[1] for t in D.feature_tiles([(0, H, 0)])])
+    return y
+
+
+@nki.jit
+def fused_moe_prefill_kernel(x, w_gu, w_d, blk_expert, n_blocks, gidx, sidx, bw, s_gu, s_d,
+                             sh_gu, sh_d, ss_gu, ss_d, combined, nf_gu, nf_d, kb_gu, kb_d,
+                             tiled):
+    """Prefill MoE: blockwise GEMMs over tokens grouped by expert.
+
+    Dimensions:
+      T tokens, H hidden, I expert width, E local experts, NB block slots of tb tokens.
+    Args:
+      x: [T, H] bf16 HBM; weights and scales as in ``fused_moe_decode_kernel``.
+      blk_expert: [1, NB] int32 expert of each block; n_blocks: [1, 1] int32 blocks used.
+      gidx, sidx: [NB, tb] int32 token rows to gather / to scatter-add to (T = padding, skipped).
+      bw: [NB, tb] fp32 routing weight of each row (0 for padding).
+    Returns:
+      y: [T, H] bf16, shared HBM.
+    Notes:
+      The weighted rows are added into an fp32 HBM accumulator by DMA read-modify-write
+      (``dma_compute``, fp32 in the DMA engines): the weighted sum is accumulated in fp32.
+    Pseudocode:
+      y32 = shared(x) or 0                                    # fp32 HBM
+      fori b in [0, n_blocks):
+        e = register(blk_expert[b])
+        rows = x[gidx[b]]                                     # indirect DMA gather, 128 per tile
+        xT = transpose(rows); hT = bw[b] * silu(Wg[e].T @ xT) * (Wu[e].T @ xT)
+        y32[sidx[b]] += transpose(Wd[e].T @ hT)               # indirect DMA scatter-add
+      y = bf16(y32)
+    """
+    T, H = x.shape
+    tb = gidx.shape[1]
+    I = w_gu.shape[1] * P // 2 if tiled else w_gu.shape[2] // 2
+    fp8 = s_gu is not None
+    plan = MoEPlan("prefill", tb, combined, nf_gu, nf_d, kb_gu, kb_d)
+    y = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    y32 = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.hbm)
+    NB = blk_expert.shape[1]
+    be_sb = nl.ndarray((1, NB), dtype=nl.int32, buffer=nl.sbuf)                # [1, NB]
+    nisa.dma_copy(dst=be_sb, src=blk_expert)
+    n_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)                  # [1, 1]
+    nisa.dma_copy(dst=n_sb, src=n_blocks)
+    ident = D.identity(nl.bfloat16)
+    ident_f = D.identity(nl.float32)
+    q = _Fp8(w_gu.dtype, None, None) if fp8 else None
+    d_widths = [t[1] for t in D.feature_tiles([(0, H, 0)])]
+
+    if sh_gu is not None:      # y32 = shared(x), token block by token block
+        Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
+        if fp8:
+            _load_scales(q, ss_gu, ss_d, None, Is, H)
+        sg_, su_, sd_ = _expert_views(sh_gu, sh_d, None, Is, tiled)
+        for t0, tbs in D.token_blocks(T, tb):
+            sp = plan_tiles("prefill", tbs, H, Is, 1 if fp8 else 2, tiled)
+            rows = D.x_rows_normalised(x, t0, tbs)
+            _x_quantize(rows, q, all_steps=True)
+            xT, A = _x_block(rows, tbs, H, None, ident, ident_f, q, w_gu.dtype)
+
+            def put(acc, j0, widths, B, t0=t0, tbs=tbs):
+                yT = _evicted(acc, j0, widths, tbs, q, B)
+                _store_rows(y32, ident_f, yT, t0, tbs, d_widths[:j0], widths, None)
+
+            _expert_step(xT, A, tbs, H, Is, sg_, su_, sd_, None, q, sp, tiled, put)
+    else:
+        zero = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf)             # [128, H]
+        nisa.memset(dst=zero, value=0.0)
+        for r0 in range(0, T, P):
+            rn = min(P, T - r0)
+            nisa.dma_copy(dst=y32[r0:r0 + rn, :], src=zero[0:rn, :])
+
+    n_reg = nisa.register_alloc()
+    nisa.register_load(dst=n_reg, src=n_sb)
+
+    def body(b):
+        e = nisa.register_alloc()
+        nisa.register_load(dst=e, src=be_sb[0:1, nl.ds(b, 1)])
+        wg, wu, wd = _expert_views(w_gu, w_d, e, I, tiled)
+        if fp8:
+            _load_scales(q, s_gu, s_d, e, I, H)
+        subs, sis = [], []
+        for s0 in range(0, tb, P):
+            ts = min(P, tb - s0)
+            gi = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)              # [ts, 1]
+            nisa.dma_copy(dst=gi, src=gidx[nl.ds(b, 1), s0:s0 + ts])
+            si = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)              # [ts, 1]
+            nisa.dma_copy(dst=si, src=sidx[nl.ds(b, 1), s0:s0 + ts])
+            x_sb = nl.ndarray((ts, H), dtype=x.dtype, buffer=nl.sbuf)             # [ts, H]
+            nisa.dma_copy(dst=x_sb, src=x.ap([[H, ts], [1, H]], offset=0, vector_offset=gi,
+                                             indirect_dim=0))
+            subs.append((s0, ts, x_sb))
+            sis.append(si)
+        wrow = _row_broadcast(bw[nl.ds(b, 1), :], tb)                            # [128, tb]
+        _x_quantize(subs, q, all_steps=True)
+        xT, A = _x_block(subs, tb, H, None, ident, ident_f, q, w_gu.dtype)
+
+        def scatter(acc, j0, widths, B):
+            yT = _evicted(acc, j0, widths, tb, q, B)
+            _store_rows(y32, ident_f, yT, 0, tb, d_widths[:j0], widths, sis)
+
+        _expert_step(xT, A, tb, H, I, wg, wu, wd, wrow, q, plan, tiled, scatter)
+
+    nl.fori_loop(0, n_reg, body)
+    for r0 in range(0, T, P):          # fp32 accumulator -> bf16 output (DMA casts)
+        rn = min(P, T - r0)
+        nisa.dma_copy(dst=y[r0:r0 + rn, :], src=y32[r0:r0 + rn, :])
+    return y
+
+
+def _evicted(acc, j0, widths, tb, q, B, ev=None):
+    """Down accumulators -> fp32 SBUF ``[128, nf, tb]`` (FP8: channel and token scales)."""
+    yT = nl.ndarray((P, len(widths), tb), dtype=nl.float32, buffer=nl.sbuf)   # [128, nf, tb]
+    _evict_y(yT, acc, widths, tb, q, B, j0, ev if ev is not None else [0])
+    return yT
+
+
+def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis):
+    """``yT [features, tokens]`` -> rows of the fp32 accumulator ``y32`` at columns
+    ``[sum(before), + sum(widths))``: fp32 PE transposes (4 feature tiles per PSUM bank), then a
+    plain store (``sis`` None: rows t0...) or a scatter-add to the rows ``sis[sub-tile]``
+    (indirect DMA read-modify-write, padding rows out of bounds and skipped)."""
+    H = y32.shape[1]
+    c0 = sum(before)
+    ncols = sum(widths)
+    for n, s0 in enumerate(range(0, tb, P)):
+        ts = min(P, tb - s0)
+        y_sb = nl.ndarray((ts, ncols), dtype=nl.float32, buffer=nl.sbuf)          # [ts, ncols]
+        col = 0
+        for g0 in range(0, len(widths), 4):
+            g1 = min(len(widths), g0 + 4)
+            gw = sum(widths[g0:g1])
+            tp = nl.ndarray((ts, gw), dtype=nl.float32, buffer=nl.psum)           # [ts, gw]
+            o = 0
+            for f in range(g0, g1):
+                nn = widths[f]
+                nisa.nc_matmul(dst=tp[:, o:o + nn], stationary=yT[0:nn, f, s0:s0 + ts],
+                               moving=ident_f[0:nn, 0:nn], is_transpose=True)
+                o += nn
+            eng = nisa.engine.scalar if (g0 // 4) % 2 else nisa.engine.vector
+            nisa.tensor_copy(dst=y_sb[:, col:col + gw], src=tp, engine=eng)
+            col += gw
+        if sis is None:
+            nisa.dma_copy(dst=y32[t0 + s0:t0 + s0 + ts, c0:c0 + ncols], src=y_sb)
+        else:
+            dst = y32.ap([[H, ts], [1, ncols]], offset=c0, vector_offset=sis[n], indirect_dim=0)
+            nisa.dma_compute(dst=dst, srcs=[dst, y_sb], reduce_op=nl.add,
+                             oob_mode=nisa.oob_mode.skip)
+
+
+# ---------------------------------------------------------------------------------------- op
+def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate_up_scale=None,
+              down_scale=None, shared_scales=None, expert_offset=0, num_global_experts=None,
+              regime=None):
+    """Routed SwiGLU experts with weighted sum (and an optional shared expert) on a NeuronCore.
+
+    Args:
+      x: [T, H] bfloat16 (NumPy / ml_dtypes or CPU torch).
+      w_gate_up: [E, H, 2I] (gate = columns [0, I), up = [I, 2I)); w_down: [E, I, H]. All
+        bfloat16, or FP8 (float8_e4m3; on Trn3 also float8_e4m3fn) with per-output-channel
+        scales gate_up_scale [E, 2I] and down_scale [E, H]. Or tile-major
+        (``tile_expert_weights``: [E, 2I/128, 128, KTe, 128], [E, H/128, 128, KTe, 128]).
+      topk_weights: [T, k] float; topk_ids: [T, k] integer global expert ids.
+      shared: optional (w_gate_up [H, 2Is], w_down [Is, H]) shared expert, same dtype and layout
+        as the experts (FP8: shared_scales = ([2Is], [H])), added with weight 1.
+      expert_offset: global id of local expert 0 (expert parallelism: this call holds experts
+        [expert_offset, expert_offset + E)); ids outside that range contribute nothing.
+      num_global_experts: when given, every id must lie in [0, num_global_experts).
+      regime: None (automatic: "decode" for T <= 64), "decode" (T <= 128) or "prefill".
+    Returns:
+      y [T, H] bfloat16.
+    """
+    name = "fused_moe"
+    T, H = check_2d(name, "x", x)
+    check_dtype(name, "x", x, ("bfloat16",))
+    tiled = len(getattr(w_gate_up, "shape", ())) == 5
+    E, I = _check_weights(name, H, w_gate_up, w_down, tiled)
+    wdt = check_dtype(name, "w_gate_up", w_gate_up, ("bfloat16",) + _FP8)
+    got = dtype_name(w_down)
+    if got != wdt:
+        raise TypeError(f"{name}: w_down.dtype must equal w_gate_up.dtype ({wdt}); got {got}")
+    fp8 = wdt in _FP8
+    ids = _as_numpy(topk_ids)
+    wts = _as_numpy(topk_weights)
+    if ids.ndim != 2 or ids.shape[0] != T:
+        raise ValueError(f"{name}: topk_ids must be [T, k] with T = x.shape[0] = {T}; got shape "
+                         f"{list(ids.shape)}")
+    k = ids.shape[1]
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{name}: topk_ids must hold integers; got {ids.dtype}")
+    if wts.shape != ids.shape:
+        raise ValueError(f"{name}: topk_weights must have the shape of topk_ids {list(ids.shape)}; "
+                         f"got {list(wts.shape)}")
+    if wts.dtype.kind != "f" and dtype_name(wts) != "bfloat16":
+        raise TypeError(f"{name}: topk_weights must be a float array; got {wts.dtype}")
+    if isinstance(expert_offset, bool) or not isinstance(expert_offset, (int, np.integer)) \
+            or expert_offset < 0:
+        raise ValueError(f"{name}: expert_offset must be an int >= 0; got {expert_offset!r}")
+    if num_global_experts is not None:
+        ng = num_global_experts
+        if isinstance(ng, bool) or not isinstance(ng, (int, np.integer)) or ng < expert_offset + E:
+            raise ValueError(f"{name}: num_global_experts must be an int >= expert_offset + E = "
+                             f"{expert_offset + E}; got {num_global_experts!r}")
+        if k > ng:
+            raise ValueError(f"{name}: top_k = {k} exceeds the {ng} experts")
+        bad = (ids < 0) | (ids >= ng)
+        if bad.any():
+            t, j = np.argwhere(bad)[0]
+            raise ValueError(f"{name}: topk_ids[{t}, {j}] = {ids[t, j]} is outside [0, "
+                             f"num_global_experts={ng})")
+    if fp8:
+        gen = int(nisa.get_nc_version())
+        if gen < 3:
+            raise ValueError(f"{name}: FP8 weights need Trn2 or Trn3 (double_row); target is "
+                             f"gen{gen}")
+        if wdt == "float8_e4m3fn" and gen < 4:
+            raise ValueError(f"{name}: float8_e4m3fn weights need Trn3; on Trn2 use float8_e4m3")
+        if H % P or I % P:
+            raise ValueError(f"{name}: FP8 weights need hidden and expert sizes that are "
+                             f"multiples of 128; got H={H}, I={I}")
+        if gate_up_scale is None or down_scale is None:
+            raise ValueError(f"{name}: FP8 weights need gate_up_scale [E, 2I] and down_scale "
+                             f"[E, H]")
+        s_gu = _col_layout(_scales(name, "gate_up_scale", gate_up_scale, (E, 2 * I)), 2 * I)
+        s_d = _col_layout(_scales(name, "down_scale", down_scale, (E, H)), H)
+    else:
+        if gate_up_scale is not None or down_scale is not None or shared_scales is not None:
+            raise ValueError(f"{name}: gate_up_scale / down_scale / shared_scales are only for "
+                             f"FP8 weights (weights are {wdt})")
+        s_gu = s_d = None
+    sh_gu = sh_d = ss_gu = ss_d = None
+    if shared is not None:
+        sh_gu, sh_d, ss_gu, ss_d = _check_shared(name, shared, shared_scales, H, wdt, tiled, fp8)
+    if regime is None:
+        regime = "decode" if T <= DECODE_T_MAX else "prefill"
+    if regime not in ("decode", "prefill"):
+        raise ValueError(f"{name}: regime must be None, 'decode' or 'prefill'; got {regime!r}")
+    if regime == "decode" and T > P:
+        raise ValueError(f"{name}: the decode regime takes at most {P} tokens; got T={T}")
+    lids = local_ids(ids, E, expert_offset)
+    w32 = wts.astype(np.float32)
+    wb = 1 if fp8 else 2
+    if regime == "decode":
+        plan = plan_tiles("decode", T, H, I, wb, tiled)
+        experts, n, comb = plan_decode_routing(lids, w32, E)
+        return launch(fused_moe_decode_kernel, x, w_gate_up, w_down, experts, n, comb, s_gu,
+                      s_d, sh_gu, sh_d, ss_gu, ss_d, plan.combined, plan.nf_gu, plan.nf_d,
+                      plan.kb_gu, plan.kb_d, tiled)
+    counts = np.bincount(lids[lids >= 0].ravel(), minlength=E) if (lids >= 0).any() else []
+    tb_cap = max(c for c in TB_CHOICES
+                 if c == TB_CHOICES[0]
+                 or _sbuf_need(c, H, I, wb, fp8, plan_tiles("prefill", c, H, I, wb, tiled))
+                 <= _sbuf_budget())
+    tb = choose_block(counts, tb_cap)
+    plan = plan_tiles("prefill", tb, H, I, wb, tiled)
+    be, n, gi, si, bw = plan_prefill_routing(lids, w32, E, tb)
+    return launch(fused_moe_prefill_kernel, x, w_gate_up, w_down, be, n, gi, si, bw, s_gu, s_d,
+                  sh_gu, sh_d, ss_gu, ss_d, plan.combined, plan.nf_gu, plan.nf_d, plan.kb_gu,
+                  plan.kb_d, tiled)
+
+
+def _as_numpy(a):
+    if is_torch(a):
+        a = a.detach().cpu()
+        if str(a.dtype) == "torch.bfloat16":
+            a = a.float()
+        return a.numpy()
+    return np.asarray(a)
+
+
+def _scales(name, arg, s, shape):
+    a = _as_numpy(s)
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: {arg} must have shape {list(shape)}; got {list(a.shape)}")
+    if a.dtype.kind != "f" and dtype_name(a) != "bfloat16":
+        raise TypeError(f"{name}: {arg} must be a float array; got {a.dtype}")
+    return np.ascontiguousarray(a.astype(np.float32))
+
+
+def _kte(k):
+    return k // P + (k // P) % 2
+
+
+def _check_weights(name, H, w_gu, w_d, tiled):
+    """Shapes of the expert weights; returns (E, I)."""
+    sg, sd = tuple(getattr(w_gu, "shape", ())), tuple(getattr(w_d, "shape", ()))
+    if tiled:
+        if len(sd) != 5:
+            raise ValueError(f"{name}: w_gate_up is tile-major (5-D) so w_down must be too; got "
+                             f"shape {list(sd)}")
+        if H % P:
+            raise ValueError(f"{name}: tile-major weights need H % 128 == 0; got H={H}")
+        E, n2 = sg[0], sg[1]
+        if n2 % 2 or n2 < 2:
+            raise ValueError(f"{name}: tile-major w_gate_up must hold an even number of feature "
+                             f"tiles; got shape {list(sg)}")
+        I = n2 * P // 2
+        want_g, want_d = (E, n2, P, _kte(H), P), (E, H // P, P, _kte(I), P)
+        if sg != want_g or sd != want_d:
+            raise ValueError(f"{name}: tile-major weights must have shapes {list(want_g)} and "
+                             f"{list(want_d)} (tile_expert_weights of [E, H, 2I], [E, I, H]); "
+                             f"got {list(sg)} and {list(sd)}")
+        return E, I
+    if len(sg) != 3 or min(sg) < 1 or sg[1] != H or sg[2] % 2:
+        raise ValueError(f"{name}: w_gate_up must be [E, H, 2I] with H = x.shape[1] = {H}; got "
+                         f"shape {list(sg)}")
+    E, I = sg[0], sg[2] // 2
+    if sd != (E, I, H):
+        raise ValueError(f"{name}: w_down must be [E, I, H] = {[E, I, H]}; got {list(sd)}")
+    return E, I
+
+
+def _check_shared(name, shared, scales, H, wdt, tiled, fp8):
+    if not isinstance(shared, (tuple, list)) or len(shared) != 2:
+        raise ValueError(f"{name}: shared must be a pair (w_gate_up [H, 2Is], w_down [Is, H])")
+    g, d = shared
+    for a, w in (("shared[0]", g), ("shared[1]", d)):
+        got = dtype_name(w)
+        if got != wdt:
+            raise TypeError(f"{name}: {a}.dtype must equal the experts' dtype ({wdt}); got {got}")
+    sg, sd = tuple(g.shape), tuple(d.shape)
+    if tiled:
+        if len(sg) != 4 or sg[0] % 2:
+            raise ValueError(f"{name}: with tile-major experts the shared weights must be "
+                             f"tile_weight'ed too; got shapes {list(sg)}, {list(sd)}")
+        Is = sg[0] * P // 2
+        if sg != (sg[0], P, _kte(H), P) or sd != (H // P, P, _kte(Is), P):
+            raise ValueError(f"{name}: tile-major shared weights must have shapes "
+                             f"{[sg[0], P, _kte(H), P]} and {[H // P, P, _kte(Is), P]}; got "
+                             f"{list(sg)}, {list(sd)}")
+    else:
+        if len(sg) != 2 or sg[0] != H or sg[1] % 2 or sg[1] < 2:
+            raise ValueError(f"{name}: shared[0] must be [H, 2Is] with H = {H}; got {list(sg)}")
+        Is = sg[1] // 2
+        if sd != (Is, H):
+            raise ValueError(f"{name}: shared[1] must be [Is, H] = {[Is, H]}; got {list(sd)}")
+    if fp8:
+        if Is % P:
+            raise ValueError(f"{name}: FP8 shared expert needs Is % 128 == 0; got Is={Is}")
+        if scales is None or len(scales) != 2:
+            raise ValueError(f"{name}: FP8 shared expert needs shared_scales = ([2Is], [H])")
+        ss_gu = _col_layout(_scales(name, "shared_scales[0]", scales[0], (2 * Is,))[None], 2 * Is)[0]
+        ss_d = _col_layout(_scales(name, "shared_scales[1]", scales[1], (H,))[None], H)[0]
+        return g, d, ss_gu, ss_d
+    return g, d, None, None
+
+
+__all__ = ["fused_moe", "fused_moe_decode_kernel", "fused_moe_prefill_kernel", "MoEPlan",
+           "plan_tiles", "plan_decode_routing", "plan_prefill_routing", "choose_block",
+           "tile_expert_weights", "local_ids"]
