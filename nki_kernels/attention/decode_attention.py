@@ -1,0 +1,654 @@
+"""Decode attention (flash-decoding) over a contiguous or paged KV cache.
+
+``o = softmax(scale * q K^T (soft-capped) + mask (+ sink)) V`` for one to eight new tokens per
+sequence, GQA/MQA (every query head of a KV head shares one pass over its cache), any number of
+KV heads per call, sequences of any length in any order, bf16/fp16 or FP8 caches (per-tensor or
+per-KV-head scales), sliding window, soft-capping, sinks, ``lse`` output. Design note:
+docs/attention.md ("Decode attention").
+
+Per KV tile (``128 T`` keys of one sequence, all KV heads, one long DMA run per partition; paged:
+gathered through the block table, :mod:`.kv_cache`):
+
+* TensorE transposes each head's keys to K^T (``[d, keys]``, key order restored on eviction);
+* query rows are packed on partitions in slots of W = 32 / 64 / 128 rows, one slot per KV head
+  (its ``G x s_q`` rows), ``128 / W`` heads per row group: QK^T and PV of the heads of a group
+  run in separate PE column tiles (``tile_position``), side by side;
+* the scores of a whole tile leave PSUM in one pass (scaled, row max fused; masked with
+  ``range_select`` where the tail, the drafts' diagonal or the window cut the tile), one
+  exponential with the row sum fused, one TensorE transpose per 128 keys for P^T, and the
+  online softmax of :mod:`.softmax` carries the state from tile to tile.
+
+Split-KV: :mod:`.split_kv` plans the work items; with LNC=2 long sequences are cut in parts run
+on both cores, and the parts' states are merged exactly through the log-sum-exp after a core
+barrier (:func:`.merge_attention_states.merge_states_sb`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._validate import dtype_name as _dtype_name
+from .._validate import is_torch as _is_torch
+from ..backend import launch, nisa, nki, nl
+from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, page_rows, tokens_per_partition
+from .masks import mask_range_select
+from .merge_attention_states import merge_states_sb
+from .softmax import M_FLOOR, SoftmaxState
+from .split_kv import WorkItem, plan_split_kv
+
+P = 128
+HEAD_DIMS = (64, 128, 192, 256)
+MAX_S_Q = 8
+MM_N = 512            # score columns per QK^T matmul (one fp32 PSUM bank)
+TR_GROUP = 8          # 128-key transposes per PSUM buffer (2 KiB of bf16)
+PREFETCH = 2          # KV tiles loaded ahead of the one being computed
+# row table columns (host-built fp32 [B, n_groups, 128, NCOL])
+C_LO, C_HI, C_QK, C_V, C_SINK = 0, 1, 2, 3, 4
+NCOL = 5
+
+
+@dataclass(frozen=True)
+class DecodePlan(nl.NKIObject):
+    """Everything the kernel needs besides the tensors (compile-time values).
+
+    W: query rows per slot (one KV head's ``G * s_q`` rows, padded to a PE column tile);
+    nslot: slots per row group (``128 / W``); layout: cache / tile geometry; items: the work
+    items of each program (:func:`.split_kv.plan_split_kv`); seq_lens: host lengths;
+    xmul: logit = xmul * X (softcap c, else 1: scores are scaled when they leave PSUM);
+    kt_act: share of K^T evictions on ScalarE (the rest VectorE).
+    """
+    B: int
+    s_q: int
+    Hq: int
+    Hkv: int
+    d: int
+    W: int
+    nslot: int
+    layout: KVLayout
+    seq_lens: tuple
+    items: tuple
+    window: int
+    softcap: float
+    has_sinks: bool
+    has_vscale: bool
+    return_lse: bool
+    out_dtype: object
+    kt_act: float
+
+    @property
+    def G(self) -> int:
+        return self.Hq // self.Hkv
+
+    @property
+    def rows(self) -> int:
+        return self.G * self.s_q
+
+    @property
+    def n_groups(self) -> int:
+        return -(-self.Hkv // self.nslot)
+
+    @property
+    def xmul(self) -> float:
+        return self.softcap if self.softcap else 1.0
+
+    def group_heads(self, g: int):
+        return list(range(g * self.nslot, min(self.Hkv, (g + 1) * self.nslot)))
+
+
+def slot_width(rows: int) -> int:
+    for w in (32, 64, 128):
+        if rows <= w:
+            return w
+    raise ValueError(f"decode_attention: H_q / H_kv * s_q = {rows} query rows per KV head; at "
+                     f"most 128 are supported")
+
+
+# ------------------------------------------------------------------------------------ kernel
+
+
+@nki.jit
+def decode_attention_kernel(q, k_cache, v_cache, block_table, rowtab, cfg):
+    """``o = softmax(scale * q K^T (+ mask, soft-cap, sink)) V`` for decode.
+
+    Dimensions:
+      B >= 1 sequences; s_q in 1..8 new tokens each; H_q = G * H_kv with G * s_q <= 128;
+      d in {64, 128, 192, 256}; any lengths (host-known, in cfg.seq_lens; 0 = empty slot).
+    Args:
+      q: [B, s_q, H_q, d] HBM, bf16 / fp16.
+      k_cache, v_cache: [B, S_max, H_kv, d] (contiguous) or [num_blocks, block_size, H_kv, d]
+        (paged) HBM, q's dtype or fp8 (e4m3 on Trn2, e4m3fn on Trn3).
+      block_table: [B, max_blocks] int32 HBM (paged), else None.
+      rowtab: [B, n_groups, 128, 5] fp32 HBM, per query row of a row group: first and last
+        visible key, qk scale (scale * k_scale of its head, / softcap), v_scale, sink logit.
+      cfg: DecodePlan.
+    Returns:
+      o [B, s_q, H_q, d] (cfg.out_dtype), and lse [B, s_q, H_q] fp32 when cfg.return_lse.
+    Notes:
+      fp32 scores, max, sums and accumulation; P rounded to bf16 for PV; expected error within
+      2x a reference that rounds P the same way + 1e-3. The block table is read on the device
+      (only the entries of pages in use); cache entries past a sequence's end are never read.
+    Pseudocode:
+      for each work item (b, keys [k0, k1)) of this program, tiles prefetched PREFETCH ahead:
+        Q^T of every row group (TensorE transpose); state m = floor | sink, l, o
+        for tile of 128T keys: K, V [128, T, H_kv, d] <- DMA (paged: gather through idx)
+          for row group: for its heads: K^T (TensorE transposes) -> S[slot rows] = Q^T.T K^T
+            X = scale * S (max fused) | range_select(mask); m' = max(m, max); P = exp(X - m')
+            P^T (TensorE transposes); O[slot rows] = sum_t P^T.T @ V[t, head]; o = a o + O
+        part of a split sequence: (o, m, l) -> HBM; [LNC=2: barrier, owner merges the parts]
+        o / l -> out, m + ln l -> lse
+    """
+    B, s_q, Hq, d = cfg.B, cfg.s_q, cfg.Hq, cfg.d
+    out = nl.ndarray((B, s_q, Hq, d), dtype=cfg.out_dtype, buffer=nl.shared_hbm)
+    lse = None
+    if cfg.return_lse:
+        lse = nl.ndarray((B, s_q, Hq), dtype=nl.float32, buffer=nl.shared_hbm)
+    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
+    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
+    mine = cfg.items[pid]
+    split = [it for prog in cfg.items for it in prog if it.n_parts > 1 and it.part > 0]
+    parts_hbm = None
+    if split:
+        # partial states of split sequences: o (unnormalised, fp32), m, l per (item, group)
+        parts_hbm = nl.ndarray((len(split), cfg.n_groups, P, d + 2), dtype=nl.float32,
+                               buffer=nl.shared_hbm)
+    ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)                   # [128, 128]
+    if pid == 0:
+        _empty_rows(out, lse, cfg)
+    run = _Run(q, k_cache, v_cache, block_table, rowtab, out, lse, parts_hbm, split, ident, cfg)
+    run.items(mine)
+    if split and programs > 1:
+        nisa.core_barrier(data=parts_hbm, cores=(0, 1))
+    if split:
+        run.merge_owned([it for it in mine if it.n_parts > 1 and it.part == 0])
+    if cfg.return_lse:
+        return out, lse
+    return out
+
+
+def _empty_rows(out, lse, cfg):
+    """Sequences of length 0: output 0, lse -inf."""
+    n = cfg.s_q * cfg.Hq
+    empty = [b for b in range(cfg.B) if cfg.seq_lens[b] == 0]
+    if not empty:
+        return
+    rows = min(P, n)
+    z = nl.ndarray((rows, cfg.d), dtype=cfg.out_dtype, buffer=nl.sbuf)
+    nisa.memset(dst=z, value=0.0, engine=nisa.engine.gpsimd)
+    zl = None
+    if lse is not None:
+        zl = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=zl, value=-np.inf, engine=nisa.engine.gpsimd)
+    for b in empty:
+        flat = out[b].reshape((n, cfg.d))
+        for r0 in range(0, n, P):
+            r = min(P, n - r0)
+            nisa.dma_copy(dst=flat[r0:r0 + r, :], src=z[0:r, :])
+            if zl is not None:
+                nisa.dma_copy(dst=lse[b].reshape((n, 1))[r0:r0 + r, :], src=zl[0:r, :])
+
+
+class _Group:
+    """One row group of one work item: Q^T, its row table, its softmax state."""
+
+    def __init__(self, g, heads, rows, qT, rt, sm):
+        self.g = g
+        self.heads = heads
+        self.rows = rows
+        self.qT = qT
+        self.rt = rt
+        self.sm = sm
+
+
+class _Run:
+    """Trace-time driver: the work items of one program as a stream of prefetched KV tiles."""
+
+    def __init__(self, q, k_cache, v_cache, block_table, rowtab, out, lse, parts_hbm, split,
+                 ident, cfg):
+        self.q, self.kc, self.vc, self.bt = q, k_cache, v_cache, block_table
+        self.rowtab, self.out, self.lse, self.parts = rowtab, out, lse, parts_hbm
+        self.split = list(split)
+        self.ident = ident
+        self.cfg = cfg
+        self.lay = cfg.layout
+        self.DT = -(-cfg.d // P)
+        self.n_evict = 0
+
+    # -- the tile stream ------------------------------------------------------------------------
+    def items(self, mine):
+        lay = self.lay
+        tiles = []
+        for ii, it in enumerate(mine):
+            for c, k0 in enumerate(range(it.k0, it.k1, lay.tile_keys)):
+                tiles.append((ii, c, k0, min(lay.tile_keys, it.k1 - k0)))
+        idx = {}
+        if lay.paged:
+            for ii, it in enumerate(mine):
+                idx[ii] = [page_rows(self.bt, it.b, a, min(it.k1 - a, P * lay.tile_keys), lay)
+                           for a in range(it.k0, it.k1, P * lay.tile_keys)]
+        loaded = {}
+
+        def fetch(j):
+            ii, c, k0, n = tiles[j]
+            it = mine[ii]
+            kt = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=self.kc.dtype, buffer=nl.sbuf)
+            vt = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=self.vc.dtype, buffer=nl.sbuf)
+            col = None
+            if lay.paged:
+                blk = idx[ii][c // P]
+                col = blk[:, c % P:c % P + 1]
+            fp8 = self.kc.dtype not in (nl.bfloat16, nl.float16)
+            load_kv_tile(kt, self.kc, lay, it.b, k0, n, col, zero_tail=fp8)  # K^T by matmul
+            load_kv_tile(vt, self.vc, lay, it.b, k0, n, col)
+            loaded[j] = (kt, vt)
+
+        groups = None
+        for j in range(len(tiles)):
+            for jj in range(j, min(len(tiles), j + PREFETCH + 1)):
+                if jj not in loaded:
+                    fetch(jj)
+            ii, c, k0, n = tiles[j]
+            it = mine[ii]
+            if c == 0:
+                groups = self.start(it)
+            kt, vt = loaded.pop(j)
+            for grp in groups:
+                self.tile(it, grp, kt, vt, k0, n)
+            del kt, vt
+            if j + 1 == len(tiles) or tiles[j + 1][0] != ii:
+                self.finish(it, groups)
+                groups = None
+
+    # -- per item ---------------------------------------------------------------------------------
+    def start(self, it):
+        cfg = self.cfg
+        groups = []
+        for g in range(cfg.n_groups):
+            heads = cfg.group_heads(g)
+            rows = len(heads) * cfg.W
+            q_sb = nl.ndarray((P, cfg.d), dtype=self.q.dtype, buffer=nl.sbuf)          # [128, d]
+            if cfg.rows < cfg.W or rows < P:
+                nisa.memset(dst=q_sb, value=0.0, engine=nisa.engine.gpsimd)
+            for s, h in enumerate(heads):
+                src = self.q[it.b, :, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))  # [G, s_q, d]
+                nisa.dma_copy(dst=q_sb[s * cfg.W:s * cfg.W + cfg.rows, :], src=src)
+            qT = nl.ndarray((P, self.DT, P), dtype=self.q.dtype, buffer=nl.sbuf)   # [d, DT, rows]
+            tq = nl.ndarray((P, self.DT, P), dtype=self.q.dtype, buffer=nl.psum)
+            for dt in range(self.DT):
+                dsz = min(P, cfg.d - dt * P)
+                nisa.nc_transpose(dst=tq[0:dsz, dt, 0:rows], data=q_sb[0:rows, dt * P:dt * P + dsz],
+                                  engine=nisa.engine.tensor)
+                nisa.tensor_copy(dst=qT[0:dsz, dt, 0:rows], src=tq[0:dsz, dt, 0:rows],
+                                 engine=nisa.engine.vector)
+            rt = nl.ndarray((P, NCOL), dtype=nl.float32, buffer=nl.sbuf)          # [128, 5]
+            nisa.dma_copy(dst=rt[0:rows, :], src=self.rowtab[it.b, g, 0:rows, :])
+            sink = rt[0:rows, C_SINK:C_SINK + 1] if cfg.has_sinks and it.part == 0 else None
+            sm = SoftmaxState(rows, cfg.d, cfg.xmul, sink=sink, sum_in_o=False)
+            groups.append(_Group(g, heads, rows, qT, rt, sm))
+        return groups
+
+    def finish(self, it, groups):
+        cfg = self.cfg
+        for grp in groups:
+            sm = grp.sm
+            if it.n_parts > 1 and it.part > 0:
+                k = self.split.index(it)
+                dst = self.parts[k, grp.g, 0:grp.rows, :]
+                st = nl.ndarray((grp.rows, cfg.d + 2), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=st[:, 0:cfg.d], src=sm.o, engine=nisa.engine.gpsimd)
+                nisa.tensor_copy(dst=st[:, cfg.d:cfg.d + 1], src=sm.mp[:, 0:1],
+                                 engine=nisa.engine.gpsimd)
+                nisa.tensor_copy(dst=st[:, cfg.d + 1:cfg.d + 2], src=sm.l,
+                                 engine=nisa.engine.gpsimd)
+                nisa.dma_copy(dst=dst, src=st)
+                continue
+            if it.n_parts > 1:
+                grp.keep = True          # merged with the other parts after the barrier
+                self.pending = getattr(self, "pending", {})
+                self.pending[(it.b, grp.g)] = grp
+                continue
+            self.store(it.b, grp)
+
+    def store(self, b, grp):
+        cfg = self.cfg
+        sm = grp.sm
+        if cfg.has_vscale:
+            nisa.tensor_scalar(dst=sm.o, data=sm.o, op0=nl.multiply,
+                               operand0=grp.rt[0:grp.rows, C_V:C_V + 1])
+        o_sb = nl.ndarray((grp.rows, cfg.d), dtype=cfg.out_dtype, buffer=nl.sbuf)   # [rows, d]
+        l_sb = None
+        if cfg.return_lse:
+            l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        sm.finalize(o_sb, l_sb)
+        for s, h in enumerate(grp.heads):
+            r0 = s * cfg.W
+            dst = self.out[b, :, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))   # [G, s_q, d]
+            nisa.dma_copy(dst=dst, src=o_sb[r0:r0 + cfg.rows, :])
+            if l_sb is not None:
+                dl = self.lse[b, :, h * cfg.G:(h + 1) * cfg.G].permute((1, 0))        # [G, s_q]
+                nisa.dma_copy(dst=dl, src=l_sb[r0:r0 + cfg.rows, :])
+
+    def merge_owned(self, owned):
+        """Merge the parts of each split sequence whose part 0 this program ran."""
+        cfg = self.cfg
+        pending = getattr(self, "pending", {})
+        for it in owned:
+            for g in range(cfg.n_groups):
+                grp = pending[(it.b, g)]
+                sm = grp.sm
+                for k, other in enumerate(self.split):
+                    if other.b != it.b:
+                        continue
+                    st = nl.ndarray((grp.rows, cfg.d + 2), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=st, src=self.parts[k, g, 0:grp.rows, :])
+                    merge_states_sb(sm, st[:, 0:cfg.d], st[:, cfg.d:cfg.d + 1],
+                                    st[:, cfg.d + 1:cfg.d + 2])
+                self.store(it.b, grp)
+
+    # -- per tile and row group ---------------------------------------------------------------
+    def tile(self, it, grp, kt, vt, k0, n):
+        cfg, lay, DT = self.cfg, self.lay, self.DT
+        T = lay.T
+        npp = -(-n // T)                  # partitions holding keys of this tile
+        ncol = npp * T                    # score columns (key k0 + c; c >= n masked)
+        rows = grp.rows
+        W = cfg.W
+        tiled = W < P
+        fp8 = kt.dtype not in (nl.bfloat16, nl.float16)
+        # K^T of each head, key order restored on eviction (column p*T + t <- transpose t)
+        kTs = []
+        for h in grp.heads:
+            kT = nl.ndarray((P, DT, lay.tile_keys), dtype=nl.bfloat16 if fp8 else kt.dtype,
+                            buffer=nl.sbuf)                                      # [d, DT, 128T]
+            for dt in range(DT):
+                dsz = min(P, cfg.d - dt * P)
+                grpn = TR_GROUP // 2 if fp8 else TR_GROUP
+                for t0 in range(0, T, grpn):
+                    t1 = min(T, t0 + grpn)
+                    tp = nl.ndarray((P, t1 - t0, P), dtype=nl.float32 if fp8 else kt.dtype,
+                                    buffer=nl.psum)
+                    for t in range(t0, t1):
+                        src = kt[0:npp, t, h, dt * P:dt * P + dsz]
+                        if fp8:
+                            nisa.nc_matmul(dst=tp[0:dsz, t - t0, 0:npp], stationary=src,
+                                           moving=self.ident[0:npp, 0:npp])
+                        else:
+                            nisa.nc_transpose(dst=tp[0:dsz, t - t0, 0:npp], data=src,
+                                              engine=nisa.engine.tensor)
+                    dstv = kT[0:dsz, dt, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
+                    self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
+            kTs.append(kT)
+        # S = Q^T.T @ K^T per slot (PE column tiles side by side)
+        S = nl.ndarray((P, lay.tile_keys), dtype=nl.float32, buffer=nl.psum)      # [rows, 128T]
+        for s, kT in enumerate(kTs):
+            r0 = s * W
+            for c0 in range(0, ncol, MM_N):
+                c1 = min(ncol, c0 + MM_N)
+                for dt in range(DT):
+                    dsz = min(P, cfg.d - dt * P)
+                    kw = dict(tile_position=(0, r0), tile_size=(P, W)) if tiled else {}
+                    nisa.nc_matmul(dst=S[r0:r0 + W, c0:c1], stationary=grp.qT[0:dsz, dt, r0:r0 + W],
+                                   moving=kT[0:dsz, dt, c0:c1], accumulate=dt > 0, **kw)
+        # scores out of PSUM: X (logit units, or tanh units with a soft-cap), row max fused
+        sm = grp.sm
+        L = cfg.seq_lens[it.b]
+        masked = (k0 + ncol - 1 > L - cfg.s_q) or (cfg.window and k0 < L - cfg.window)
+        X = nl.ndarray((rows, lay.tile_keys), dtype=nl.float32, buffer=nl.sbuf)
+        lo = grp.rt[0:rows, C_LO:C_LO + 1]
+        hi = grp.rt[0:rows, C_HI:C_HI + 1]
+        qk = grp.rt[0:rows, C_QK:C_QK + 1]
+        Xv = X[:, 0:ncol]
+        if cfg.softcap:
+            nisa.activation(dst=Xv, op=nl.tanh, data=S[0:rows, 0:ncol], scale=qk)
+            mask_range_select(Xv, Xv, lo, hi, k0, reduce_res=sm.max_slot())
+        elif masked:
+            nisa.tensor_scalar(dst=Xv, data=S[0:rows, 0:ncol], op0=nl.multiply, operand0=qk)
+            mask_range_select(Xv, Xv, lo, hi, k0, reduce_res=sm.max_slot())
+        else:
+            nisa.tensor_scalar_reduce(dst=Xv, data=S[0:rows, 0:ncol], op0=nl.multiply,
+                                      operand0=qk, reduce_op=nl.maximum,
+                                      reduce_res=sm.max_slot())
+        del S
+        sm.combine_max()
+        neg = sm.neg_max()
+        Pm = nl.ndarray((rows, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [rows, 128T]
+        rowsum = sm.exp_rows([(Pm[:, 0:ncol], Xv)], "scalar", neg_max=neg, with_sum=True)
+        alpha = sm.rescale_factor("scalar", neg)
+        sm.mark_started()
+        sm.update_sum(rowsum, alpha)
+        # P^T: key p*T + t on partition p of slice t
+        pT = nl.ndarray((P, T, P), dtype=nl.bfloat16, buffer=nl.sbuf)             # [keys, T, rows]
+        pv = Pm[:, 0:ncol].reshape_dim(1, (npp, T))
+        for t0 in range(0, T, TR_GROUP):
+            t1 = min(T, t0 + TR_GROUP)
+            tp = nl.ndarray((P, t1 - t0, P), dtype=nl.bfloat16, buffer=nl.psum)
+            for t in range(t0, t1):
+                nisa.nc_transpose(dst=tp[0:npp, t - t0, 0:rows], data=pv[:, :, t],
+                                  engine=nisa.engine.tensor)
+            self._evict(pT[0:npp, t0:t1, 0:rows], tp[0:npp, :, 0:rows])
+        # O[slot rows] = sum_t P^T[t].T @ V[t, head]
+        O = nl.ndarray((P, cfg.d), dtype=nl.float32, buffer=nl.psum)              # [rows, d]
+        for s, h in enumerate(grp.heads):
+            r0 = s * W
+            kw = dict(tile_position=(0, r0), tile_size=(P, W)) if tiled else {}
+            first = True
+            for t in range(T):
+                kp = -(-(n - t) // T)       # partitions whose slot t holds a valid key
+                if kp <= 0:
+                    continue
+                nisa.nc_matmul(dst=O[r0:r0 + W, 0:cfg.d], stationary=pT[0:kp, t, r0:r0 + W],
+                               moving=vt[0:kp, t, h, :], accumulate=not first, **kw)
+                first = False
+        sm.accumulate_o(O[0:rows, :], alpha, mode="stt", copy_engine="vector")
+
+    def _evict(self, dst, src):
+        """PSUM -> SBUF copies spread over ScalarE and VectorE (share cfg.kt_act on ScalarE)."""
+        f = self.cfg.kt_act
+        i = self.n_evict
+        self.n_evict += 1
+        act = int((i + 1) * f + 1e-9) > int(i * f + 1e-9)
+        nisa.tensor_copy(dst=dst, src=src,
+                         engine=nisa.engine.scalar if act else nisa.engine.vector)
+
+
+# ---------------------------------------------------------------------------------------- op
+_Q_DTYPES = ("bfloat16", "float16")
+_FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}
+
+
+def _number(op, name, x, allow_none=True):
+    if x is None and allow_none:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(float(x)) or float(x) <= 0:
+        raise ValueError(f"{op}: {name} must be a finite number > 0{' or None' if allow_none else ''};"
+                         f" got {x!r}")
+    return float(x)
+
+
+def _scales(name, s, Hkv):
+    """k_scale / v_scale: None, a positive scalar, or one positive value per KV head."""
+    if s is None:
+        return None
+    if _is_torch(s):
+        s = s.detach().float().cpu().numpy()
+    a = np.asarray(s, dtype=np.float64).reshape(-1)
+    if a.size not in (1, Hkv):
+        raise ValueError(f"decode_attention: {name} must be a scalar or have H_kv = {Hkv} values "
+                         f"(per KV head); got {a.size} values")
+    if not np.all(np.isfinite(a)) or np.any(a <= 0):
+        raise ValueError(f"decode_attention: {name} must be finite and > 0; got {a.tolist()}")
+    return np.broadcast_to(a, (Hkv,)).astype(np.float64)
+
+
+def _host_ints(op, name, x):
+    if _is_torch(x):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{op}: {name} must be an integer array; got dtype {a.dtype}")
+    return a
+
+
+def _check_inputs(q, k_cache, v_cache, seq_lens, block_table, window, lnc):
+    op = "decode_attention"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if getattr(t, "ndim", None) != 4:
+            raise ValueError(f"{op}: {name} must be 4-D; got shape {getattr(t, 'shape', None)}")
+    B, s_q, Hq, d = (int(x) for x in q.shape)
+    if d not in HEAD_DIMS:
+        raise ValueError(f"{op}: head_dim must be one of {', '.join(map(str, HEAD_DIMS))}; got {d}")
+    if not 1 <= s_q <= MAX_S_Q:
+        raise ValueError(f"{op}: q must hold 1 to {MAX_S_Q} new tokens per sequence (s_q); got {s_q}")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"{op}: k_cache and v_cache must have the same shape; got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    N0, S1, Hkv, dk = (int(x) for x in k_cache.shape)
+    if dk != d:
+        raise ValueError(f"{op}: k_cache head_dim {dk} must equal q's head_dim {d}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"{op}: H_q ({Hq}) must be a multiple of the cache's H_kv ({Hkv})")
+    slot_width(Hq // Hkv * s_q)
+    sl = _host_ints(op, "seq_lens", seq_lens).reshape(-1)
+    if sl.shape != (B,):
+        raise ValueError(f"{op}: seq_lens must have one length per sequence (B = {B}); got shape "
+                         f"{list(np.asarray(seq_lens).shape)}")
+    bad = [(b, int(L)) for b, L in enumerate(sl) if L != 0 and L < s_q]
+    if np.any(sl < 0) or bad:
+        raise ValueError(f"{op}: seq_lens must be 0 (an empty slot) or >= s_q = {s_q} (they count "
+                         f"the new tokens, already in the cache); got {sl.tolist()}")
+    if block_table is None:
+        if N0 != B:
+            raise ValueError(f"{op}: a contiguous k_cache must be [B={B}, S_max, H_kv, d]; got "
+                             f"{tuple(k_cache.shape)} (pass block_table for a paged cache)")
+        if sl.max(initial=0) > S1:
+            raise ValueError(f"{op}: seq_lens up to {int(sl.max())} exceed the cache's S_max = {S1}")
+        bt = None
+        bs = None
+    else:
+        bs = S1
+        if bs not in BLOCK_SIZES:
+            raise ValueError(f"{op}: block_size (k_cache.shape[1]) must be one of "
+                             f"{', '.join(map(str, BLOCK_SIZES))}; got {bs}")
+        bt = _host_ints(op, "block_table", block_table)
+        if bt.ndim != 2 or bt.shape[0] != B:
+            raise ValueError(f"{op}: block_table must be [B={B}, max_blocks]; got shape "
+                             f"{list(bt.shape)}")
+        cap = bt.shape[1] * bs
+        if sl.max(initial=0) > cap:
+            raise ValueError(f"{op}: seq_lens up to {int(sl.max())} exceed the block table's "
+                             f"capacity {bt.shape[1]} blocks x {bs} = {cap} tokens")
+        for b in range(B):
+            used = bt[b, :-(-int(sl[b]) // bs)]
+            if used.size and (used.min() < 0 or used.max() >= N0):
+                raise ValueError(f"{op}: block_table[{b}] has entries out of range [0, {N0}) "
+                                 f"(num_blocks); got {used.tolist()}")
+        if N0 * bs * Hkv * d >= 2 ** 31:
+            raise ValueError(f"{op}: the paged cache has {N0 * bs * Hkv * d} elements; the gather "
+                             f"offsets support < 2^31")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
+                               or window < 1):
+        raise ValueError(f"{op}: window must be None or an int >= 1 (keys visible including the "
+                         f"diagonal); got {window!r}")
+    if lnc not in (1, 2):
+        raise ValueError(f"{op}: lnc must be 1 or 2; got {lnc!r}")
+    return B, s_q, Hq, d, Hkv, sl, bt, bs
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=None, window=None,
+                     softcap=None, sinks=None, k_scale=None, v_scale=None, return_lse=False,
+                     lnc=1):
+    """Decode attention over a contiguous or paged (vLLM) KV cache, flash-decoding style.
+
+    Args:
+      q: [B, s_q, H_q, d] bfloat16 / float16; s_q in 1..8 new tokens per sequence (s_q > 1:
+         speculative drafts; draft i sees the cache and drafts 0..i).
+      k_cache, v_cache: contiguous [B, S_max, H_kv, d], or paged [num_blocks, block_size, H_kv, d]
+         with ``block_table``; q's dtype, or FP8 (float8_e4m3 on Trn2, float8_e4m3fn on Trn3) with
+         ``k_scale`` / ``v_scale``.
+      seq_lens: [B] host integers: valid tokens per sequence, counting the s_q new ones (already
+         written to the cache); 0 marks an empty slot (output 0, lse -inf). The kernel is
+         specialised on them (plan once per decode step, run per layer).
+      block_table: [B, max_blocks] int32: logical block n of sequence b is physical block
+         ``block_table[b, n]``, any order; entries past a sequence's end are never read, nor are
+         the pages they point to. Block sizes 8 to 256 (powers of two).
+      scale: logit scale (default 1/sqrt(d)). window: left sliding window (keys visible including
+         the query's own). softcap: ``c * tanh(logit / c)``. sinks: [H_q] sink logits (GPT-OSS).
+      k_scale, v_scale: FP8 dequantization scales, a scalar or one per KV head (vLLM).
+      return_lse: also return lse [B, s_q, H_q] float32 (natural log, sink included).
+      lnc: 1, or 2 to split the work (long sequences: their KV) over both cores of a logical core.
+    Returns:
+      o [B, s_q, H_q, d] in q's dtype (and lse).
+    """
+    op = "decode_attention"
+    B, s_q, Hq, d, Hkv, sl, bt, bs = _check_inputs(q, k_cache, v_cache, seq_lens, block_table,
+                                                   window, lnc)
+    gen = int(nisa.get_nc_version())
+    if gen < 3:
+        raise ValueError(f"{op}: needs Trn2 or Trn3 (range_select); target is gen{gen}")
+    qn = _dtype_name(q)
+    if qn not in _Q_DTYPES:
+        raise TypeError(f"{op}: q.dtype must be one of {', '.join(_Q_DTYPES)}; got {qn}")
+    kn, vn = _dtype_name(k_cache), _dtype_name(v_cache)
+    fp8 = _FP8.get(gen, _FP8[4])
+    if kn != vn or kn not in (qn, fp8):
+        raise TypeError(f"{op}: k_cache and v_cache must both be {qn} (q's dtype) or {fp8} (FP8 on "
+                        f"this target); got {kn} and {vn}")
+    is_fp8 = kn == fp8
+    if not is_fp8 and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"{op}: k_scale / v_scale apply to FP8 caches only; the cache is {kn}")
+    ks = _scales("k_scale", k_scale, Hkv)
+    vs = _scales("v_scale", v_scale, Hkv)
+    scale = 1.0 / math.sqrt(d) if scale is None else _number(op, "scale", scale, False)
+    softcap = _number(op, "softcap", softcap)
+    sk = None
+    if sinks is not None:
+        if _is_torch(sinks):
+            sinks = sinks.detach().float().cpu().numpy()
+        sk = np.asarray(sinks, dtype=np.float32)
+        if sk.shape != (Hq,):
+            raise ValueError(f"{op}: sinks must have shape (H_q,) = ({Hq},); got {sk.shape}")
+    isz = 1 if is_fp8 else 2
+    T = tokens_per_partition(Hkv, d, isz, bs, max_len=int(sl.max(initial=1)))
+    lay = KVLayout(bt is not None, bs or 0, Hkv, d, T)
+    rows = Hq // Hkv * s_q
+    W = slot_width(rows)
+    items = plan_split_kv([int(x) for x in sl], lay.tile_keys, lnc, s_q=s_q, window=window)
+    plan = DecodePlan(B=B, s_q=s_q, Hq=Hq, Hkv=Hkv, d=d, W=W, nslot=P // W, layout=lay,
+                      seq_lens=tuple(int(x) for x in sl), items=items, window=int(window or 0),
+                      softcap=float(softcap or 0.0), has_sinks=sk is not None,
+                      has_vscale=vs is not None, return_lse=bool(return_lse),
+                      out_dtype=getattr(nl, qn), kt_act=0.5)
+    rowtab = row_table(plan, scale, ks, vs, sk)
+    bt_arg = None if bt is None else np.ascontiguousarray(bt.astype(np.int32))
+    res = launch(decode_attention_kernel, q, k_cache, v_cache, bt_arg, rowtab, plan, lnc=lnc)
+    return tuple(res) if return_lse else res
+
+
+def row_table(plan: DecodePlan, scale, k_scale, v_scale, sinks):
+    """The per-row constants of every (sequence, row group), fp32 ``[B, n_groups, 128, 5]``:
+    first / last visible key, qk scale (``scale * k_scale[head]``, divided by the soft-cap),
+    v_scale and sink logit. Unused rows see nothing and carry scale 0."""
+    tab = np.zeros((plan.B, plan.n_groups, P, NCOL), dtype=np.float32)
+    tab[..., C_LO] = -1.0
+    tab[..., C_HI] = -1.0
+    tab[..., C_SINK] = M_FLOOR
+    for b, L in enumerate(plan.seq_lens):
+        for g in range(plan.n_groups):
+            for s, h in enumerate(plan.group_heads(g)):
+                for gg in range(plan.G):
+                    for i in range(plan.s_q):
+                        r = s * plan.W + gg * plan.s_q + i
+                        pos = L - plan.s_q + i
+                        tab[b, g, r, C_HI] = pos
+                        tab[b, g, r, C_LO] = max(0, pos - plan.window + 1) if plan.window else -1
+                        qs = scale * (k_scale[h] if k_scale is not None else 1.0)
+                        tab[b, g, r, C_QK] = qs / plan.softcap if plan.softcap else qs
+                        tab[b, g, r, C_V] = v_scale[h] if v_scale is not None else 1.0
+                        if sinks is not None:
+                            tab[b, g, r, C_SINK] = sinks[h * plan.G + gg]
+    return tab
+
+
+__all__ = ["decode_attention", "decode_attention_kernel", "DecodePlan", "WorkItem", "row_table"]

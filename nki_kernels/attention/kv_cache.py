@@ -1,0 +1,156 @@
+"""KV-cache layouts for decode kernels: contiguous and paged (vLLM), and how a tile of keys lands
+in SBUF.
+
+Host side: :class:`KVLayout` (cache geometry, compile-time) and :func:`tokens_per_partition`.
+Kernel side: :func:`page_rows` (the block table of one sequence turned into per-partition row
+indices on chip) and :func:`load_kv_tile` (one tile of keys of all KV heads, contiguous or
+gathered through the block table).
+
+Caches (token-major, every KV head of a token together, as vLLM stores them):
+
+* contiguous ``[B, S_max, H_kv, d]``;
+* paged ``[num_blocks, block_size, H_kv, d]`` with ``block_table [B, max_blocks]`` int32.
+
+A **KV tile** holds ``128 * T`` consecutive keys of one sequence as ``[128, T, H_kv, d]``:
+partition ``p`` holds keys ``k0 + p*T ... k0 + p*T + T - 1``, all heads. In HBM those ``T``
+tokens are one contiguous run of ``T * H_kv * d`` elements (inside one page: ``T`` divides the
+block size), so every DMA descriptor moves one long run per partition (4-16 KiB) instead of one
+256-byte head row: the DMA queues stream at their best efficiency (hardware.md A.6).
+
+Paged gather: the cache is viewed as rows of ``T`` tokens (``[num_blocks * R, T * H_kv * d]``,
+``R = block_size / T`` rows per page) and one DMA per tile gathers partition ``p``'s row through
+a ``vector_offset`` (software DGE), row ``= block_table[b, page] * R + p % R``. The indices are
+built on chip from the block table: one contiguous DMA of the sequence's table entries (tiles on
+partitions), one VectorE op that expands every page into its ``R`` rows, one TensorE transpose
+that puts the rows of a tile on partitions (fp32: exact below 2^24 rows). Table entries past a
+sequence's end are never read, nor are the cache rows they would point to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..backend import nisa, nl
+
+P = 128
+RUN_BYTES = 16384      # target contiguous bytes per partition of a KV tile
+MAX_T = 16             # tokens per partition: a tile is <= 2048 keys (4 PSUM banks of fp32 scores)
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class KVLayout(nl.NKIObject):
+    """Geometry of a KV cache and of its tiles (compile-time).
+
+    paged: vLLM paged layout (block_size tokens per page) or contiguous per sequence.
+    T: tokens per partition of a tile; R: partitions per page (paged; ``block_size / T``).
+    """
+    paged: bool
+    block_size: int
+    h_kv: int
+    d: int
+    T: int
+
+    @property
+    def tile_keys(self) -> int:
+        return P * self.T
+
+    @property
+    def R(self) -> int:
+        return self.block_size // self.T if self.paged else 1
+
+    @property
+    def row(self) -> int:
+        """Elements per partition of a tile (one contiguous HBM run)."""
+        return self.T * self.h_kv * self.d
+
+
+def tokens_per_partition(h_kv: int, d: int, itemsize: int, block_size: int | None = None,
+                         max_len: int | None = None) -> int:
+    """T: the largest power of two with ``T * H_kv * d * itemsize <= RUN_BYTES`` (and <= MAX_T,
+    dividing the block size when paged); no larger than the longest sequence needs."""
+    t = 1
+    while (t * 2 <= MAX_T and t * 2 * h_kv * d * itemsize <= RUN_BYTES
+           and (block_size is None or block_size % (t * 2) == 0)
+           and (max_len is None or P * t < max_len)):
+        t *= 2
+    return t
+
+
+# ------------------------------------------------------------------------------ kernel helpers
+
+
+def page_rows(block_table, b: int, k0: int, nkeys: int, lay: KVLayout):
+    """Row indices of the gather for the tiles covering keys ``[k0, k0 + nkeys)`` of sequence
+    ``b`` (``k0`` a multiple of ``128 T``): int32 SBUF ``[128, ntiles]`` with
+    ``idx[p, c] = block_table[b, page(c, p)] * R + p % R``.
+
+    Reads only the table entries of the pages these keys occupy (``ceil`` of the last key over
+    the block size); slots of pages past the end hold 0 and are never used. ``ntiles <= 128``."""
+    R = lay.R
+    ppt = P // R                                   # pages per tile
+    ntiles = -(-nkeys // lay.tile_keys)
+    page0 = k0 // lay.block_size
+    need = -(-(k0 + nkeys) // lay.block_size) - page0
+    full, rest = need // ppt, need % ppt
+    bt_i = nl.ndarray((ntiles, ppt), dtype=nl.int32, buffer=nl.sbuf)           # [ntiles, ppt]
+    bt_f = nl.ndarray((ntiles, ppt), dtype=nl.float32, buffer=nl.sbuf)
+    if full < ntiles:
+        nisa.memset(dst=bt_i[full:ntiles, :], value=0, engine=nisa.engine.gpsimd)
+    if full > 0:
+        src = block_table[b, page0:page0 + full * ppt].reshape((full, ppt))
+        nisa.dma_copy(dst=bt_i[0:full, :], src=src)
+    if rest:
+        a = page0 + full * ppt
+        nisa.dma_copy(dst=bt_i[full:full + 1, 0:rest],
+                      src=block_table[b, a:a + rest].reshape((1, rest)))
+    nisa.tensor_copy(dst=bt_f, src=bt_i, engine=nisa.engine.vector)
+    rows_f = nl.ndarray((ntiles, ppt, R), dtype=nl.float32, buffer=nl.sbuf)    # [ntiles, ppt, R]
+    if R > 1:
+        rmod = nl.ndarray((ntiles, ppt, R), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.iota(dst=rmod, pattern=[[0, ppt], [1, R]], offset=0, channel_multiplier=0)
+        rmod_f = nl.ndarray((ntiles, ppt, R), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=rmod_f, src=rmod, engine=nisa.engine.gpsimd)
+        nisa.scalar_tensor_tensor(dst=rows_f, data=bt_f.expand_dim(2).broadcast(2, R),
+                                  op0=nl.multiply, operand0=float(R), op1=nl.add,
+                                  operand1=rmod_f)
+    else:
+        nisa.tensor_copy(dst=rows_f, src=bt_f.expand_dim(2), engine=nisa.engine.vector)
+    rows_ps = nl.ndarray((P, ntiles), dtype=nl.float32, buffer=nl.psum)          # [128, ntiles]
+    nisa.nc_transpose(dst=rows_ps, data=rows_f.reshape((ntiles, P)), engine=nisa.engine.tensor)
+    idx = nl.ndarray((P, ntiles), dtype=nl.int32, buffer=nl.sbuf)               # [128, ntiles]
+    nisa.tensor_copy(dst=idx, src=rows_ps, engine=nisa.engine.vector)
+    return idx
+
+
+def load_kv_tile(dst, cache, lay: KVLayout, b: int, k0: int, n: int, idx=None, zero_tail=False):
+    """Keys ``[k0, k0 + n)`` of sequence ``b`` (``n <= 128 T``, ``k0`` a multiple of ``128 T``)
+    into ``dst [128, T, H_kv, d]`` SBUF: partition ``p`` gets keys ``k0 + p T ...``.
+
+    Full partitions move in one DMA (contiguous slice, or a gather through ``idx [128, 1]`` int32,
+    see :func:`page_rows`); a last partial partition (``n % T`` keys) in a second small one. Slots
+    past ``n`` are left unwritten (``zero_tail``: the partial partition's are zeroed, for tiles
+    that enter a matmul whole): nothing past a sequence's end is read."""
+    T, row = lay.T, lay.row
+    nfull, rem = n // T, n % T
+    flat = dst.reshape((P, row))
+    tok = lay.h_kv * lay.d
+    if rem and zero_tail:
+        nisa.memset(dst=flat[nfull:nfull + 1, rem * tok:row], value=0.0, engine=nisa.engine.gpsimd)
+    if not lay.paged:
+        if nfull:
+            src = cache[b, k0:k0 + nfull * T].reshape((nfull, row))
+            nisa.dma_copy(dst=flat[0:nfull, :], src=src)
+        if rem:
+            a = k0 + nfull * T
+            nisa.dma_copy(dst=flat[nfull:nfull + 1, 0:rem * tok],
+                          src=cache[b, a:a + rem].reshape((1, rem * tok)))
+        return
+    rows = cache.reshape((cache.shape[0] * lay.R, row))                    # [num_blocks * R, row]
+    if nfull:
+        nisa.dma_copy(dst=flat[0:nfull, :],
+                      src=rows.ap([[row, nfull], [1, row]], offset=0,
+                                  vector_offset=idx[0:nfull, :], indirect_dim=0))
+    if rem:
+        nisa.dma_copy(dst=flat[nfull:nfull + 1, 0:rem * tok],
+                      src=rows.ap([[row, 1], [1, rem * tok]], offset=0,
+                                  vector_offset=idx[nfull:nfull + 1, :], indirect_dim=0))

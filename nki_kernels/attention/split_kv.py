@@ -1,0 +1,87 @@
+"""Split-KV (flash-decoding) planning: which keys of which sequence each program processes.
+
+Pure Python on host-known sequence lengths (FlashInfer's plan-once / run-per-layer model: the
+plan depends on ``seq_lens`` only, so one plan serves every layer of a decode step). Nothing here
+reads tensor values on the device.
+
+A **work item** is keys ``[k0, k1)`` of sequence ``b``: part ``part`` of ``n_parts`` of that
+sequence. Parts of one sequence processed by different programs (LNC=2 cores) leave partial
+softmax states that are merged exactly through the log-sum-exp
+(:mod:`nki_kernels.attention.merge_attention_states`); parts in the same program simply continue
+one online softmax.
+
+How the split is chosen (:func:`plan_split_kv`): with one program every sequence is one item (a
+NeuronCore's engines already overlap consecutive KV tiles of one sequence: the online-softmax
+chain between tiles is three small instructions). With ``n`` programs the work (keys x KV heads)
+is balanced: a sequence longer than half a program's fair share is cut into tile-aligned parts of
+about that size, then items go longest first onto the least-loaded program (LPT), so 1 x 128K
+splits in two halves, 64 x 2K stays whole and is spread, and one 128K sequence beside 63 of 1K
+splits the long one and lets the short ones fill the other core.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..backend import nl
+
+
+@dataclass(frozen=True)
+class WorkItem(nl.NKIObject):
+    """Keys ``[k0, k1)`` of sequence ``b``; part ``part`` of ``n_parts``; run by ``program``."""
+    b: int
+    k0: int
+    k1: int
+    part: int
+    n_parts: int
+    program: int
+
+    @property
+    def keys(self) -> int:
+        return self.k1 - self.k0
+
+
+def first_key(length: int, s_q: int, window: int | None, tile_keys: int) -> int:
+    """First key any query of a sequence can see (sliding window), aligned down to a tile."""
+    if not window:
+        return 0
+    lo = max(0, length - s_q - window + 1)
+    return lo // tile_keys * tile_keys
+
+
+def plan_split_kv(seq_lens, tile_keys: int, n_programs: int = 1, *, s_q: int = 1,
+                  window: int | None = None) -> tuple:
+    """Work items of a decode batch, one tuple per program (each in batch order).
+
+    ``seq_lens``: host ints (0 = an empty slot: no item). ``tile_keys``: keys per KV tile (split
+    points are multiples of it)."""
+    spans = []
+    for b, L in enumerate(seq_lens):
+        L = int(L)
+        if L > 0:
+            spans.append((b, first_key(L, s_q, window, tile_keys), L))
+    if not spans:
+        return tuple(() for _ in range(n_programs))
+    if n_programs == 1:
+        return (tuple(WorkItem(b, k0, k1, 0, 1, 0) for b, k0, k1 in spans),)
+    total = sum(k1 - k0 for _, k0, k1 in spans)
+    share = total / n_programs
+    pieces = []
+    for b, k0, k1 in spans:
+        n = k1 - k0
+        parts = 1
+        if n > share / 2 and n > 2 * tile_keys:
+            parts = min(n_programs * 4, max(2, round(n / (share / 2))))
+            parts = min(parts, -(-n // tile_keys))
+        per = -(-n // parts)
+        step = -(-per // tile_keys) * tile_keys
+        cuts = list(range(k0, k1, step)) + [k1]
+        for i in range(len(cuts) - 1):
+            pieces.append((b, cuts[i], cuts[i + 1], i, len(cuts) - 1))
+    load = [0] * n_programs
+    owner = {}
+    for pc in sorted(pieces, key=lambda x: -(x[2] - x[1])):
+        p = min(range(n_programs), key=lambda j: (load[j], j))
+        owner[pc] = p
+        load[p] += pc[2] - pc[1]
+    return tuple(tuple(WorkItem(*pc, owner[pc]) for pc in pieces if owner[pc] == p)
+                 for p in range(n_programs))
