@@ -1,0 +1,275 @@
+"""fused_moe against its NumPy reference, both regimes and both targets: random routing, all
+tokens on one expert, every expert chosen by exactly one token, experts chosen by no token (never
+read: checked in the trace's DMA rows), EP shards that sum to the unsharded result, a shared
+expert, FP8 (row-major and tile-major) weights, torch inputs, and every refusal."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nki_kernels import fused_moe, tile_expert_weights, tile_weight
+from nki_kernels.emulator import target, trace
+from nki_kernels.moe.fused_moe import choose_block, plan_prefill_routing
+from nki_kernels.reference.compare import assert_rows_close, cosine_similarity
+from nki_kernels.reference.fused_moe import fused_moe_ref
+from nki_kernels.reference.shapes import FAST, ODD
+from nki_kernels.reference.swiglu_mlp import quantize_fp8_per_channel
+
+BF16 = ml_dtypes.bfloat16
+E4M3 = ml_dtypes.float8_e4m3
+E4M3FN = ml_dtypes.float8_e4m3fn
+
+
+def _weights(rng, E, H, I):
+    wgu = rng.standard_normal((E, H, 2 * I)).astype(np.float32) / np.sqrt(H)
+    wd = rng.standard_normal((E, I, H)).astype(np.float32) / np.sqrt(I)
+    return wgu, wd
+
+
+def _routing(rng, T, E, k):
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    w = rng.uniform(0.05, 1.0, (T, k)).astype(np.float32)
+    return w / w.sum(axis=1, keepdims=True), ids
+
+
+def _case(rng, T, H, I, E, k):
+    x = rng.standard_normal((T, H)).astype(BF16)
+    wgu, wd = _weights(rng, E, H, I)
+    w, ids = _routing(rng, T, E, k)
+    return x, wgu.astype(BF16), wd.astype(BF16), w, ids
+
+
+def _run(x, wgu, wd, w, ids, regime=None, **kw):
+    y = fused_moe(x, wgu, wd, w, ids, regime=regime, **kw)
+    assert y.shape == x.shape and y.dtype == BF16
+    assert_rows_close(y, fused_moe_ref(x, wgu, wd, w, ids, **kw), what=f"y ({regime})")
+    return y
+
+
+# ---------------------------------------------------------------------------- shape tiers
+@pytest.mark.parametrize("case", FAST.moe + ODD.moe, ids=lambda c: c.name)
+def test_shapes(tgt, rng, case):
+    """Decode regime on the tier shapes (ODD: hidden / width not multiples of 128)."""
+    T = min(case.tokens, 64)
+    _run(*_case(rng, T, case.hidden, case.intermediate, case.n_experts, case.top_k), "decode")
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 16, 4), (9, 8, 2), (64, 16, 2)])
+def test_decode(tgt, rng, T, E, k):
+    _run(*_case(rng, T, 256, 256, E, k), "decode")
+
+
+def test_prefill(tgt, rng):
+    """Uneven expert loads, blocks of one expert padded to the block size."""
+    _run(*_case(rng, 150, 256, 128, 4, 2), "prefill")
+
+
+def test_regimes_agree(rng):
+    x, wgu, wd, w, ids = _case(rng, 24, 256, 128, 4, 2)
+    yd = _run(x, wgu, wd, w, ids, "decode")
+    yp = _run(x, wgu, wd, w, ids, "prefill")
+    assert_rows_close(yp, yd.astype(np.float32), norm_tol=6.0, elem_tol=12.0, what="prefill vs decode")
+
+
+# ---------------------------------------------------------------------------- routing edge cases
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_all_tokens_on_one_expert(rng, regime):
+    T = 40 if regime == "decode" else 140       # prefill: more tokens than one block of 128
+    x, wgu, wd, _, _ = _case(rng, T, 256, 128, 4, 1)
+    ids = np.full((T, 1), 2, np.int32)
+    w = rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32)
+    _run(x, wgu, wd, w, ids, regime)
+
+
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_every_expert_chosen_once(rng, regime):
+    E = 8
+    x, wgu, wd, _, _ = _case(rng, E, 256, 128, E, 1)
+    ids = rng.permutation(E).astype(np.int32)[:, None]
+    _run(x, wgu, wd, np.ones((E, 1), np.float32), ids, regime)
+
+
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_unchosen_experts_are_not_read(rng, regime):
+    """Only the chosen experts' weight bytes cross the DMA: HBM bytes read == the chosen experts'
+    weights (+ x, routing plan, y accumulator traffic), and no weight row of another expert."""
+    E, H, I, T = 16, 256, 384, 6
+    x, wgu, wd, _, _ = _case(rng, T, H, I, E, 2)
+    ids = np.array([[3, 7], [7, 3], [3, 12], [12, 7], [3, 7], [7, 12]], np.int32)
+    w = np.full((T, 2), 0.5, np.float32)
+    with trace() as t:
+        fused_moe(x, wgu, wd, w, ids, regime=regime)
+    rows = {}
+    for ins in t:
+        if ins.engine == "dma":
+            for op in ins.reads:
+                if op.shape and tuple(op.shape)[-1:] != () and op.buffer.endswith("hbm"):
+                    rows.setdefault(op.alloc, []).append((op.partitions, op.nbytes))
+    wbytes = 2 * (3 * H * I)
+    # the weight allocations are the only ones whose reads total a multiple of one expert
+    per_alloc = {a: sum(n for _, n in v) for a, v in rows.items()}
+    expert_reads = {a: v for a, v in rows.items()
+                    if per_alloc[a] in (3 * 2 * H * 2 * I, 3 * 2 * I * H)}
+    assert len(expert_reads) == 2, per_alloc                  # w_gate_up and w_down, 3 experts
+    assert sum(per_alloc[a] for a in expert_reads) == 3 * wbytes
+    seen = set()
+    for a, v in expert_reads.items():
+        span = H if per_alloc[a] == 3 * 2 * H * 2 * I else I      # rows per expert
+        for (lo, hi), _ in v:
+            assert (hi - 1) // span == lo // span                # a read stays in one expert
+            seen.add(lo // span)
+    assert seen == {3, 7, 12}
+
+
+# ---------------------------------------------------------------------------- expert parallelism
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_ep_shards_sum_to_the_whole(rng, regime):
+    E, ep = 8, 2
+    x, wgu, wd, w, ids = _case(rng, 12, 256, 128, E, 3)
+    n = E // ep
+    parts = []
+    for r in range(ep):
+        sl = slice(r * n, (r + 1) * n)
+        parts.append(_run(x, wgu[sl], wd[sl], w, ids, regime, expert_offset=r * n).astype(np.float32))
+    whole = fused_moe_ref(x, wgu, wd, w, ids).astype(np.float32)
+    assert_rows_close(sum(parts).astype(BF16), whole, norm_tol=6.0, elem_tol=12.0,
+                      what="sum of EP shards")
+
+
+def test_ids_outside_the_shard_contribute_nothing(rng):
+    x, wgu, wd, w, _ = _case(rng, 4, 256, 128, 4, 2)
+    ids = np.array([[-1, 9], [4, 100], [7, -5], [5, 6]], np.int32)   # no local expert at all
+    for regime in ("decode", "prefill"):
+        y = fused_moe(x, wgu, wd, w, ids, regime=regime)
+        assert not np.any(y.astype(np.float32))
+
+
+# ---------------------------------------------------------------------------- shared expert, FP8
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_shared_expert(tgt, rng, regime):
+    x, wgu, wd, w, ids = _case(rng, 10, 256, 128, 4, 2)
+    sg, sd = _weights(rng, 1, 256, 256)
+    _run(x, wgu, wd, w, ids, regime, shared=(sg[0].astype(BF16), sd[0].astype(BF16)))
+
+
+def _fp8_case(rng, T, H, I, E, k, dtype, shared=False):
+    x = rng.standard_normal((T, H)).astype(BF16)
+    wgu, wd = _weights(rng, E, H, I)
+    qg = [quantize_fp8_per_channel(a, dtype) for a in wgu]
+    qd = [quantize_fp8_per_channel(a, dtype) for a in wd]
+    kw = dict(gate_up_scale=np.stack([s for _, s in qg]), down_scale=np.stack([s for _, s in qd]))
+    g8, d8 = np.stack([a for a, _ in qg]), np.stack([a for a, _ in qd])
+    if shared:
+        sg, sd = _weights(rng, 1, H, 128)
+        a, sa = quantize_fp8_per_channel(sg[0], dtype)
+        b, sb = quantize_fp8_per_channel(sd[0], dtype)
+        kw.update(shared=(a, b), shared_scales=(sa, sb))
+    w, ids = _routing(rng, T, E, k)
+    return x, g8, d8, w, ids, kw
+
+
+@pytest.mark.parametrize("regime,tiled,shared", [("decode", True, True), ("decode", False, False),
+                                                 ("prefill", True, False)])
+def test_fp8(tgt, rng, regime, tiled, shared):
+    dtype = E4M3FN if tgt == "trn3" else E4M3
+    x, g8, d8, w, ids, kw = _fp8_case(rng, 20, 256, 256, 4, 2, dtype, shared)
+    ref = fused_moe_ref(x, g8, d8, w, ids, act_dtype=dtype, **kw)
+    args = dict(kw)
+    if tiled:
+        g8, d8 = tile_expert_weights(g8), tile_expert_weights(d8)
+        if shared:
+            args["shared"] = tuple(tile_weight(a) for a in kw["shared"])
+    y = fused_moe(x, g8, d8, w, ids, regime=regime, **args)
+    assert cosine_similarity(y.astype(np.float32), ref.astype(np.float32)) > 0.999
+
+
+def test_tiled_bf16_gives_the_same_bits(rng):
+    x, wgu, wd, w, ids = _case(rng, 7, 256, 256, 4, 2)
+    a = fused_moe(x, wgu, wd, w, ids)
+    b = fused_moe(x, tile_expert_weights(wgu), tile_expert_weights(wd), w, ids)
+    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_torch_in(rng):
+    torch = pytest.importorskip("torch")
+    x, wgu, wd, w, ids = _case(rng, 3, 256, 128, 4, 2)
+    y = fused_moe(*(torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for a in (x, wgu, wd)),
+                  torch.from_numpy(w), torch.from_numpy(ids.astype(np.int64)))
+    assert_rows_close(y.float().numpy(), fused_moe_ref(x, wgu, wd, w, ids).astype(np.float32),
+                      dtype="bfloat16")
+
+
+# ---------------------------------------------------------------------------- the plan
+def test_block_choice_and_padding():
+    assert choose_block([256] * 8, 512) == 256                 # one full block per expert
+    assert choose_block([20, 30], 512) == 128                  # below the ridge: the smallest
+    assert choose_block([250, 240], 512) == 256                # one block each, least padding
+    assert choose_block([300, 290], 512) == 384                # 1 x 384 each beats 3 x 128
+    assert choose_block([500, 500], 256) == 256                # capped by the SBUF plan
+    lids = np.array([[0, 2], [2, -1], [0, 2]])
+    w = np.array([[0.25, 0.75], [1.0, 0.3], [0.5, 0.5]], np.float32)
+    be, n, gi, si, bw = plan_prefill_routing(lids, w, 4, 128)
+    assert int(n[0, 0]) == 2 and be[0, :2].tolist() == [0, 2]
+    assert gi[0, :2].tolist() == [0, 2] and si[0, :3].tolist() == [0, 2, 3]   # 3 = padding
+    assert bw[1, :3].tolist() == [0.75, 1.0, 0.5] and bw[1, 3] == 0
+
+
+# ---------------------------------------------------------------------------- refusals
+def test_rejects_bad_input(rng):
+    x, wgu, wd, w, ids = _case(rng, 4, 256, 128, 4, 2)
+    with pytest.raises(TypeError, match=r"fused_moe: x.dtype must be bfloat16; got float32"):
+        fused_moe(x.astype(np.float32), wgu, wd, w, ids)
+    with pytest.raises(ValueError, match=r"w_gate_up must be \[E, H, 2I\] with H = x.shape\[1\] = 256"):
+        fused_moe(x, wgu[:, :128], wd, w, ids)
+    with pytest.raises(ValueError, match=r"w_down must be \[E, I, H\] = \[4, 128, 256\]"):
+        fused_moe(x, wgu, wd[:3], w, ids)
+    with pytest.raises(TypeError, match=r"w_down.dtype must equal w_gate_up.dtype \(bfloat16\)"):
+        fused_moe(x, wgu, wd.astype(np.float32), w, ids)
+    with pytest.raises(TypeError, match=r"w_gate_up.dtype must be bfloat16 or float8_e4m3"):
+        fused_moe(x, wgu.astype(np.float32), wd.astype(np.float32), w, ids)
+    with pytest.raises(ValueError, match=r"topk_ids must be \[T, k\] with T = x.shape\[0\] = 4"):
+        fused_moe(x, wgu, wd, w, ids[:3])
+    with pytest.raises(TypeError, match=r"topk_ids must hold integers; got float32"):
+        fused_moe(x, wgu, wd, w, ids.astype(np.float32))
+    with pytest.raises(ValueError, match=r"topk_weights must have the shape of topk_ids \[4, 2\]"):
+        fused_moe(x, wgu, wd, w[:, :1], ids)
+    with pytest.raises(TypeError, match=r"topk_weights must be a float array; got int32"):
+        fused_moe(x, wgu, wd, ids, ids)
+    with pytest.raises(ValueError, match=r"topk_ids\[0, 1\] = 9 is outside \[0, num_global_experts=8\)"):
+        fused_moe(x, wgu, wd, w, np.array([[0, 9], [1, 2], [0, 1], [2, 3]]), num_global_experts=8)
+    with pytest.raises(ValueError, match=r"num_global_experts must be an int >= expert_offset \+ E"):
+        fused_moe(x, wgu, wd, w, ids, expert_offset=2, num_global_experts=4)
+    with pytest.raises(ValueError, match=r"top_k = 2 exceeds the 1 experts"):
+        fused_moe(x, wgu[:1], wd[:1], w, ids, num_global_experts=1)
+    with pytest.raises(ValueError, match=r"expert_offset must be an int >= 0; got -1"):
+        fused_moe(x, wgu, wd, w, ids, expert_offset=-1)
+    with pytest.raises(ValueError, match=r"regime must be None, 'decode' or 'prefill'; got 'x'"):
+        fused_moe(x, wgu, wd, w, ids, regime="x")
+    xb = rng.standard_normal((129, 256)).astype(BF16)
+    with pytest.raises(ValueError, match=r"the decode regime takes at most 128 tokens; got T=129"):
+        fused_moe(xb, wgu, wd, np.ones((129, 1), np.float32), np.zeros((129, 1), np.int32),
+                  regime="decode")
+    with pytest.raises(ValueError, match=r"gate_up_scale / down_scale / shared_scales are only for"):
+        fused_moe(x, wgu, wd, w, ids, down_scale=np.ones((4, 256), np.float32))
+    with pytest.raises(ValueError, match=r"shared\[1\] must be \[Is, H\] = \[64, 256\]"):
+        fused_moe(x, wgu, wd, w, ids, shared=(wgu[0, :, :128], wd[0]))
+    with pytest.raises(TypeError, match=r"shared\[0\].dtype must equal the experts' dtype"):
+        fused_moe(x, wgu, wd, w, ids, shared=(wgu[0].astype(np.float32), wd[0]))
+    with pytest.raises(ValueError, match=r"tile-major \(5-D\) so w_down must be too"):
+        fused_moe(x, tile_expert_weights(wgu), wd, w, ids)
+
+
+def test_rejects_fp8_misuse(rng):
+    x, g8, d8, w, ids, kw = _fp8_case(rng, 4, 256, 128, 4, 2, E4M3)
+    with pytest.raises(ValueError, match=r"FP8 weights need gate_up_scale \[E, 2I\] and down_scale"):
+        fused_moe(x, g8, d8, w, ids)
+    with pytest.raises(ValueError, match=r"down_scale must have shape \[4, 256\]; got \[4, 128\]"):
+        fused_moe(x, g8, d8, w, ids, gate_up_scale=kw["gate_up_scale"],
+                  down_scale=kw["down_scale"][:, :128])
+    with target("trn2"), pytest.raises(ValueError, match=r"float8_e4m3fn weights need Trn3"):
+        fused_moe(x, g8.astype(E4M3FN), d8.astype(E4M3FN), w, ids, **kw)
+    with target("trn1"), pytest.raises(ValueError, match=r"FP8 weights need Trn2 or Trn3"):
+        fused_moe(x, g8, d8, w, ids, **kw)
+    xo = rng.standard_normal((4, 200)).astype(BF16)
+    with pytest.raises(ValueError, match=r"FP8 weights need hidden and expert sizes that are "
+                                         r"multiples of 128; got H=200, I=128"):
+        fused_moe(xo, np.zeros((4, 200, 256), E4M3), np.zeros((4, 128, 200), E4M3), w, ids, **kw)
