@@ -44,6 +44,7 @@ MAX_S_Q = 8
 MM_N = 512            # score columns per QK^T matmul (one fp32 PSUM bank)
 TR_GROUP = 8          # 128-key transposes per PSUM buffer (2 KiB of bf16)
 PREFETCH = 2          # KV tiles loaded ahead of the one being computed
+LAGS = (0, 1, 2)      # pipeline lags of the stages K^T, QK^T + softmax, P^T + PV (in jobs)
 # row table columns (host-built fp32 [B, n_groups, 128, NCOL])
 C_LO, C_HI, C_QK, C_V, C_SINK = 0, 1, 2, 3, 4
 NCOL = 5
@@ -201,6 +202,16 @@ class _Group:
         self.sm = sm
 
 
+class _Job:
+    """One (KV tile, row group) job between its pipeline stages."""
+
+    def __init__(self, it, grp, kt, vt, k0, n):
+        self.it, self.grp, self.kt, self.vt, self.k0, self.n = it, grp, kt, vt, k0, n
+        self.npp = -(-n // kt.shape[1])      # partitions holding keys of this tile
+        self.ncol = self.npp * kt.shape[1]   # score columns (key k0 + c; c >= n masked)
+        self.kTs = self.Pm = self.alpha = None
+
+
 class _Run:
     """Trace-time driver: the work items of one program as a stream of prefetched KV tiles."""
 
@@ -217,48 +228,66 @@ class _Run:
 
     # -- the tile stream ------------------------------------------------------------------------
     def items(self, mine):
+        """Every KV tile of this program's items in one stream: tile j's loads are issued
+        PREFETCH tiles ahead (an item's Q / row-table loads just before its first tile's), and
+        the three stages of a (tile, row group) job -- K^T, QK^T + softmax, P^T + PV -- run with
+        lags LAGS, so each engine's in-order queue always holds independent work."""
         lay = self.lay
         tiles = []
         for ii, it in enumerate(mine):
             for c, k0 in enumerate(range(it.k0, it.k1, lay.tile_keys)):
-                tiles.append((ii, c, k0, min(lay.tile_keys, it.k1 - k0)))
+                last = k0 + lay.tile_keys >= it.k1
+                tiles.append((ii, c, k0, min(lay.tile_keys, it.k1 - k0), last))
         idx = {}
-        if lay.paged:
-            for ii, it in enumerate(mine):
-                idx[ii] = [page_rows(self.bt, it.b, a, min(it.k1 - a, P * lay.tile_keys), lay)
-                           for a in range(it.k0, it.k1, P * lay.tile_keys)]
+        groups = {}
         loaded = {}
+        fp8 = self.kc.dtype not in (nl.bfloat16, nl.float16)
 
         def fetch(j):
-            ii, c, k0, n = tiles[j]
+            ii, c, k0, n, _ = tiles[j]
             it = mine[ii]
+            if c == 0:
+                groups[ii] = self.start(it)
+                if lay.paged:
+                    idx[ii] = [page_rows(self.bt, it.b, a, min(it.k1 - a, P * lay.tile_keys), lay)
+                               for a in range(it.k0, it.k1, P * lay.tile_keys)]
             kt = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=self.kc.dtype, buffer=nl.sbuf)
             vt = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=self.vc.dtype, buffer=nl.sbuf)
             col = None
             if lay.paged:
-                blk = idx[ii][c // P]
-                col = blk[:, c % P:c % P + 1]
-            fp8 = self.kc.dtype not in (nl.bfloat16, nl.float16)
+                col = idx[ii][c // P][:, c % P:c % P + 1]
             load_kv_tile(kt, self.kc, lay, it.b, k0, n, col, zero_tail=fp8)  # K^T by matmul
             load_kv_tile(vt, self.vc, lay, it.b, k0, n, col)
             loaded[j] = (kt, vt)
 
-        groups = None
-        for j in range(len(tiles)):
-            for jj in range(j, min(len(tiles), j + PREFETCH + 1)):
-                if jj not in loaded:
-                    fetch(jj)
-            ii, c, k0, n = tiles[j]
-            it = mine[ii]
-            if c == 0:
-                groups = self.start(it)
-            kt, vt = loaded.pop(j)
-            for grp in groups:
-                self.tile(it, grp, kt, vt, k0, n)
-            del kt, vt
-            if j + 1 == len(tiles) or tiles[j + 1][0] != ii:
-                self.finish(it, groups)
-                groups = None
+        jobs = [(j, gi) for j in range(len(tiles)) for gi in range(self.cfg.n_groups)]
+        state = {}
+        steps = len(jobs) + LAGS[-1]
+        for step in range(steps):
+            for stage in range(3):
+                ji = step - LAGS[stage]
+                if not 0 <= ji < len(jobs):
+                    continue
+                j, gi = jobs[ji]
+                ii, c, k0, n, last = tiles[j]
+                it = mine[ii]
+                if stage == 0:
+                    for jj in range(j, min(len(tiles), j + PREFETCH + 1)):
+                        if jj not in loaded and jj >= j:
+                            fetch(jj)
+                    kt, vt = loaded[j]
+                    grp = groups[ii][gi]
+                    state[ji] = _Job(it, grp, kt, vt, k0, n)
+                    self.stage_kT(state[ji])
+                    if gi == self.cfg.n_groups - 1:
+                        loaded.pop(j)
+                elif stage == 1:
+                    self.stage_softmax(state[ji])
+                else:
+                    job = state.pop(ji)
+                    self.stage_pv(job)
+                    if last and gi == self.cfg.n_groups - 1:
+                        self.finish(it, groups.pop(ii))
 
     # -- per item ---------------------------------------------------------------------------------
     def start(self, it):
@@ -346,19 +375,15 @@ class _Run:
                                     st[:, cfg.d + 1:cfg.d + 2])
                 self.store(it.b, grp)
 
-    # -- per tile and row group ---------------------------------------------------------------
-    def tile(self, it, grp, kt, vt, k0, n):
+    # -- per tile and row group: three pipeline stages ----------------------------------------
+    def stage_kT(self, job):
+        """K^T of each head of the group, key order restored on eviction (column p*T + t comes
+        from transpose t of partition p)."""
         cfg, lay, DT = self.cfg, self.lay, self.DT
-        T = lay.T
-        npp = -(-n // T)                  # partitions holding keys of this tile
-        ncol = npp * T                    # score columns (key k0 + c; c >= n masked)
-        rows = grp.rows
-        W = cfg.W
-        tiled = W < P
+        T, npp, ncol, kt = lay.T, job.npp, job.ncol, job.kt
         fp8 = kt.dtype not in (nl.bfloat16, nl.float16)
-        # K^T of each head, key order restored on eviction (column p*T + t <- transpose t)
-        kTs = []
-        for h in grp.heads:
+        job.kTs = []
+        for h in job.grp.heads:
             kT = nl.ndarray((P, DT, lay.tile_keys), dtype=nl.bfloat16 if fp8 else kt.dtype,
                             buffer=nl.sbuf)                                      # [d, DT, 128T]
             for dt in range(DT):
@@ -378,21 +403,29 @@ class _Run:
                                               engine=nisa.engine.tensor)
                     dstv = kT[0:dsz, dt, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
                     self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
-            kTs.append(kT)
-        # S = Q^T.T @ K^T per slot (PE column tiles side by side)
+            job.kTs.append(kT)
+
+    def stage_softmax(self, job):
+        """S = Q^T.T @ K^T per slot (PE column tiles side by side); scores out of PSUM in one
+        pass (X in logit units, or tanh units with a soft-cap; row max fused, masked where the
+        tile needs it); online-softmax max / exp / sums."""
+        cfg, lay, DT = self.cfg, self.lay, self.DT
+        grp, ncol, k0 = job.grp, job.ncol, job.k0
+        rows, W = grp.rows, cfg.W
+        tiled = W < P
         S = nl.ndarray((P, lay.tile_keys), dtype=nl.float32, buffer=nl.psum)      # [rows, 128T]
-        for s, kT in enumerate(kTs):
-            r0 = s * W
-            for c0 in range(0, ncol, MM_N):
-                c1 = min(ncol, c0 + MM_N)
-                for dt in range(DT):
-                    dsz = min(P, cfg.d - dt * P)
+        for c0 in range(0, ncol, MM_N):          # slots innermost: consecutive matmuls use
+            c1 = min(ncol, c0 + MM_N)            # different PE column tiles and overlap
+            for dt in range(DT):
+                dsz = min(P, cfg.d - dt * P)
+                for s, kT in enumerate(job.kTs):
+                    r0 = s * W
                     kw = dict(tile_position=(0, r0), tile_size=(P, W)) if tiled else {}
                     nisa.nc_matmul(dst=S[r0:r0 + W, c0:c1], stationary=grp.qT[0:dsz, dt, r0:r0 + W],
                                    moving=kT[0:dsz, dt, c0:c1], accumulate=dt > 0, **kw)
-        # scores out of PSUM: X (logit units, or tanh units with a soft-cap), row max fused
+        job.kTs = None
         sm = grp.sm
-        L = cfg.seq_lens[it.b]
+        L = cfg.seq_lens[job.it.b]
         masked = (k0 + ncol - 1 > L - cfg.s_q) or (cfg.window and k0 < L - cfg.window)
         X = nl.ndarray((rows, lay.tile_keys), dtype=nl.float32, buffer=nl.sbuf)
         lo = grp.rt[0:rows, C_LO:C_LO + 1]
@@ -414,12 +447,20 @@ class _Run:
         neg = sm.neg_max()
         Pm = nl.ndarray((rows, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [rows, 128T]
         rowsum = sm.exp_rows([(Pm[:, 0:ncol], Xv)], "scalar", neg_max=neg, with_sum=True)
-        alpha = sm.rescale_factor("scalar", neg)
+        job.alpha = sm.rescale_factor("scalar", neg)
         sm.mark_started()
-        sm.update_sum(rowsum, alpha)
-        # P^T: key p*T + t on partition p of slice t
+        sm.update_sum(rowsum, job.alpha)
+        job.Pm = Pm
+
+    def stage_pv(self, job):
+        """P^T (key p*T + t on partition p of slice t), O[slot rows] = sum_t P^T[t].T V[t, head],
+        then o = alpha o + O."""
+        cfg, lay = self.cfg, self.lay
+        grp, npp, ncol, n, vt = job.grp, job.npp, job.ncol, job.n, job.vt
+        T, rows, W = lay.T, grp.rows, cfg.W
+        tiled = W < P
         pT = nl.ndarray((P, T, P), dtype=nl.bfloat16, buffer=nl.sbuf)             # [keys, T, rows]
-        pv = Pm[:, 0:ncol].reshape_dim(1, (npp, T))
+        pv = job.Pm[:, 0:ncol].reshape_dim(1, (npp, T))
         for t0 in range(0, T, TR_GROUP):
             t1 = min(T, t0 + TR_GROUP)
             tp = nl.ndarray((P, t1 - t0, P), dtype=nl.bfloat16, buffer=nl.psum)
@@ -427,20 +468,18 @@ class _Run:
                 nisa.nc_transpose(dst=tp[0:npp, t - t0, 0:rows], data=pv[:, :, t],
                                   engine=nisa.engine.tensor)
             self._evict(pT[0:npp, t0:t1, 0:rows], tp[0:npp, :, 0:rows])
-        # O[slot rows] = sum_t P^T[t].T @ V[t, head]
+        job.Pm = None
         O = nl.ndarray((P, cfg.d), dtype=nl.float32, buffer=nl.psum)              # [rows, d]
-        for s, h in enumerate(grp.heads):
-            r0 = s * W
-            kw = dict(tile_position=(0, r0), tile_size=(P, W)) if tiled else {}
-            first = True
-            for t in range(T):
-                kp = -(-(n - t) // T)       # partitions whose slot t holds a valid key
-                if kp <= 0:
-                    continue
+        for t in range(T):                       # slots innermost (PE column tiles overlap)
+            kp = -(-(n - t) // T)                # partitions whose slot t holds a valid key
+            if kp <= 0:
+                continue
+            for s, h in enumerate(grp.heads):
+                r0 = s * W
+                kw = dict(tile_position=(0, r0), tile_size=(P, W)) if tiled else {}
                 nisa.nc_matmul(dst=O[r0:r0 + W, 0:cfg.d], stationary=pT[0:kp, t, r0:r0 + W],
-                               moving=vt[0:kp, t, h, :], accumulate=not first, **kw)
-                first = False
-        sm.accumulate_o(O[0:rows, :], alpha, mode="stt", copy_engine="vector")
+                               moving=vt[0:kp, t, h, :], accumulate=t > 0, **kw)
+        grp.sm.accumulate_o(O[0:rows, :], job.alpha, mode="stt", copy_engine="vector")
 
     def _evict(self, dst, src):
         """PSUM -> SBUF copies spread over ScalarE and VectorE (share cfg.kt_act on ScalarE)."""

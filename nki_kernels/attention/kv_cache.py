@@ -68,7 +68,7 @@ def tokens_per_partition(h_kv: int, d: int, itemsize: int, block_size: int | Non
                          max_len: int | None = None) -> int:
     """T: the largest power of two with ``T * H_kv * d * itemsize <= RUN_BYTES`` (and <= MAX_T,
     dividing the block size when paged); no larger than the longest sequence needs."""
-    t = 1
+    t = 1 if block_size is None else max(1, block_size // P)    # at most 128 partitions per page
     while (t * 2 <= MAX_T and t * 2 * h_kv * d * itemsize <= RUN_BYTES
            and (block_size is None or block_size % (t * 2) == 0)
            and (max_len is None or P * t < max_len)):

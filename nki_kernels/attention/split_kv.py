@@ -13,13 +13,15 @@ one online softmax.
 How the split is chosen (:func:`plan_split_kv`): with one program every sequence is one item (a
 NeuronCore's engines already overlap consecutive KV tiles of one sequence: the online-softmax
 chain between tiles is three small instructions). With ``n`` programs the work (keys x KV heads)
-is balanced: a sequence longer than half a program's fair share is cut into tile-aligned parts of
-about that size, then items go longest first onto the least-loaded program (LPT), so 1 x 128K
-splits in two halves, 64 x 2K stays whole and is spread, and one 128K sequence beside 63 of 1K
-splits the long one and lets the short ones fill the other core.
+is balanced: a sequence longer than a program's fair share (total / n) is cut into
+``ceil(length / share)`` tile-aligned parts, then items go longest first onto the least-loaded
+program (LPT), so 1 x 128K splits in two halves, 64 x 2K stays whole and is spread 32 + 32, and
+one 128K sequence beside 63 of 1K splits the long one in halves and lets the short ones even the
+loads out (each part is one more state to merge, so nothing is split that need not be).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..backend import nl
@@ -69,9 +71,8 @@ def plan_split_kv(seq_lens, tile_keys: int, n_programs: int = 1, *, s_q: int = 1
     for b, k0, k1 in spans:
         n = k1 - k0
         parts = 1
-        if n > share / 2 and n > 2 * tile_keys:
-            parts = min(n_programs * 4, max(2, round(n / (share / 2))))
-            parts = min(parts, -(-n // tile_keys))
+        if n > share and n > tile_keys:
+            parts = min(-(-n // tile_keys), math.ceil(n / share))
         per = -(-n // parts)
         step = -(-per // tile_keys) * tile_keys
         cuts = list(range(k0, k1, step)) + [k1]

@@ -1,0 +1,296 @@
+"""Decode attention against its NumPy reference: contiguous and paged caches (NaN in every slot a
+sequence does not own, shuffled tables), GQA/MQA, speculative s_q up to 8 with windows smaller
+than the drafts, soft-cap, sinks, lse, FP8 caches at their range limits, head_dim 64-256,
+empty / length-1 / very mixed batches, LNC=2 split-KV, both targets; the split planner and the
+KV tile geometry; every refusal.
+
+Accuracy rule (reference/compare.py): kernel error <= 2 x the error of a same-precision
+reference (probabilities rounded to bf16 for P @ V) + 1e-3, both against a float64 reference;
+lse by the same rule; NaN / inf positions must match.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nki_kernels import decode_attention
+from nki_kernels.attention.kv_cache import KVLayout, tokens_per_partition
+from nki_kernels.attention.split_kv import plan_split_kv
+from nki_kernels.reference.compare import assert_attention_close
+from nki_kernels.reference.decode_attention import (
+    bytes_decode_attention,
+    decode_attention_ref,
+    flops_decode_attention,
+)
+from nki_kernels.reference.shapes import FAST, ODD
+
+BF16 = ml_dtypes.bfloat16
+FP8 = {"trn2": ml_dtypes.float8_e4m3, "trn3": ml_dtypes.float8_e4m3fn}
+
+
+def _paged(rng, dense, lens, bs, spare=3):
+    """A paged copy of ``dense [B, S, H, d]``: shuffled physical blocks, NaN in every slot no
+    sequence owns (unused pages and the tail of each last page), ``spare`` extra NaN pages."""
+    B, _, H, d = dense.shape
+    need = [-(-int(L) // bs) for L in lens]
+    nb = sum(need) + spare
+    perm = rng.permutation(nb)
+    cache = np.full((nb, bs, H, d), np.nan, dtype=np.float32).astype(dense.dtype)
+    table = np.full((B, max(need + [1]) + 2), nb + 7, dtype=np.int32)   # junk past the end
+    i = 0
+    for b, L in enumerate(lens):
+        for n in range(need[b]):
+            p = perm[i]
+            i += 1
+            table[b, n] = p
+            m = min(bs, int(L) - n * bs)
+            cache[p, :m] = dense[b, n * bs:n * bs + m]
+    return cache, table
+
+
+def _inputs(rng, B, s_q, Hq, Hkv, d, lens, kv_dtype=BF16, q_scale=1.0, kv_scale=1.0):
+    S = max(list(lens) + [1]) + 3
+    q = (rng.standard_normal((B, s_q, Hq, d)) * q_scale).astype(BF16)
+    k = (rng.standard_normal((B, S, Hkv, d)) * kv_scale).astype(kv_dtype)
+    v = (rng.standard_normal((B, S, Hkv, d)) * kv_scale).astype(kv_dtype)
+    for b, L in enumerate(lens):             # poison the contiguous cache past each length
+        k[b, L:] = np.nan
+        v[b, L:] = np.nan
+    return q, k, v
+
+
+def _check(out, q, k, v, lens, **kw):
+    o, lse = out
+    exact, else_ = decode_attention_ref(q, k, v, lens, return_lse=True, compute_dtype=np.float64,
+                                       **kw)
+    same, slse = decode_attention_ref(q, k, v, lens, return_lse=True, p_dtype="bfloat16", **kw)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == np.float32
+    assert_attention_close(o, same, exact)
+    empty = np.isneginf(else_)                 # rows that see no key: lse -inf exactly
+    assert np.array_equal(np.isneginf(lse), empty)
+    assert_attention_close(lse[~empty], slse[~empty], else_[~empty], what="lse")
+
+
+def _run(q, k, v, lens, bs=None, rng=None, lnc=1, **kw):
+    if bs:
+        k, table = _paged(np.random.default_rng(7), k, lens, bs)
+        v, _ = _paged(np.random.default_rng(7), v, lens, bs)
+        kw["block_table"] = table
+    out = decode_attention(q, k, v, np.asarray(lens), return_lse=True, lnc=lnc, **kw)
+    _check(out, q, k, v, lens, **kw)
+    return out
+
+
+# ------------------------------------------------------------------------------ correctness
+
+
+@pytest.mark.parametrize("bs", [None, 16, 64])
+def test_gqa_mixed_lengths(tgt, rng, bs):
+    """Lengths 1, 17 and 300 in one batch (one tile, a partial tile, several tiles)."""
+    lens = [1, 17, 300]
+    q, k, v = _inputs(rng, 3, 1, 8, 2, 128, lens)
+    _run(q, k, v, lens, bs)
+
+
+@pytest.mark.parametrize("bs", [32, 128])
+def test_paged_block_sizes(tgt, rng, bs):
+    lens = [bs * 3 + 5, 2]
+    q, k, v = _inputs(rng, 2, 1, 4, 1, 128, lens)
+    _run(q, k, v, lens, bs)
+
+
+def test_drafts_window_smaller_than_drafts(tgt, rng):
+    """s_q = 8 speculative tokens, window 5 < 8: each draft sees its own band only."""
+    lens = [8, 700]
+    q, k, v = _inputs(rng, 2, 8, 4, 1, 64, lens)
+    _run(q, k, v, lens, 64, window=5)
+
+
+def test_softcap_sinks_drafts(tgt, rng):
+    lens = [4, 500]
+    q, k, v = _inputs(rng, 2, 4, 8, 2, 128, lens, q_scale=3.0)
+    _run(q, k, v, lens, softcap=20.0, sinks=np.linspace(-1, 3, 8).astype(np.float32))
+
+
+@pytest.mark.parametrize("d", [64, 192, 256])
+def test_head_dims(tgt, rng, d):
+    lens = [130, 7]
+    q, k, v = _inputs(rng, 2, 2, 2, 1, d, lens)
+    _run(q, k, v, lens, 16 if d == 64 else None)
+
+
+def test_huge_logits(tgt, rng):
+    """|logit| ~ 1e4: the running max keeps every exponential finite."""
+    lens = [260, 3]
+    q, k, v = _inputs(rng, 2, 1, 4, 1, 128, lens, q_scale=60.0, kv_scale=3.0)
+    _run(q, k, v, lens, 16, scale=1.0)
+
+
+def test_empty_and_single(tgt, rng):
+    """seq_len 0 (an empty slot): output 0, lse -inf; seq_len 1."""
+    lens = [0, 1, 0]
+    q, k, v = _inputs(rng, 3, 1, 4, 2, 128, lens)
+    o, lse = _run(q, k, v, lens, 16)
+    assert np.all(np.asarray(o[0], np.float32) == 0) and np.all(np.isneginf(lse[0]))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_cache_range_limits(tgt, rng, per_head):
+    """FP8 K/V with values at the format's largest finite magnitude, per-tensor or per-head
+    scales, paged with a partial last tile."""
+    f8 = FP8[tgt]
+    lim = float(ml_dtypes.finfo(f8).max)
+    lens = [3, 300]
+    q, k, v = _inputs(rng, 2, 2, 8, 2, 128, lens, kv_dtype=f8)
+    k[1, :40:7] = np.asarray(lim, dtype=np.float32).astype(f8)
+    v[1, 1:40:5] = np.asarray(-lim, dtype=np.float32).astype(f8)
+    ks = np.array([0.004, 0.02]) if per_head else 0.01
+    vs = np.array([0.5, 0.002]) if per_head else 0.003
+    _run(q, k, v, lens, 32, k_scale=ks, v_scale=vs)
+
+
+def test_lnc2_split_matches(tgt, rng):
+    """LNC=2: the long sequence is split over both cores and merged through the lse; sinks go to
+    one part only."""
+    lens = [3000, 5, 0]
+    q, k, v = _inputs(rng, 3, 2, 4, 1, 128, lens)
+    sinks = np.array([0.0, 1.0, -2.0, 0.5], np.float32)
+    o2, l2 = _run(q, k, v, lens, 16, lnc=2, sinks=sinks)
+    o1, l1 = _run(q, k, v, lens, 16, lnc=1, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(o2, np.float32), np.asarray(o1, np.float32),
+                               atol=2e-2, rtol=0)
+
+
+def test_torch_inputs(rng):
+    torch = pytest.importorskip("torch")
+    lens = [20, 3]
+    q, k, v = _inputs(rng, 2, 1, 4, 1, 64, lens)
+    tq = torch.from_numpy(np.asarray(q, np.float32)).to(torch.bfloat16)
+    tk = torch.from_numpy(np.nan_to_num(np.asarray(k, np.float32))).to(torch.bfloat16)
+    tv = torch.from_numpy(np.nan_to_num(np.asarray(v, np.float32))).to(torch.bfloat16)
+    o = decode_attention(tq, tk, tv, torch.tensor(lens, dtype=torch.int32))
+    o = o.float().numpy() if hasattr(o, "numpy") else np.asarray(o, np.float32)
+    ref = decode_attention_ref(q, np.nan_to_num(k), np.nan_to_num(v), lens, compute_dtype=np.float64)
+    same = decode_attention_ref(q, np.nan_to_num(k), np.nan_to_num(v), lens, p_dtype="bfloat16")
+    assert_attention_close(o, same, ref)
+
+
+@pytest.mark.parametrize("s", FAST.decode + ODD.decode, ids=lambda s: s.name)
+def test_shapes_table(s, rng):
+    lens = [s.kv_len + s.q_len] * s.batch
+    if s.kv_len == 0 and s.batch > 1:
+        lens[0] = 0
+    q, k, v = _inputs(rng, s.batch, s.q_len, s.n_q_heads, s.n_kv_heads, s.head_dim, lens)
+    _run(q, k, v, lens, s.page_size)
+
+
+@pytest.mark.slow
+def test_lengths_1_17_40000(tgt, rng):
+    """The issue's skewed batch: lengths 1, 17 and 40000 (paged, block 128)."""
+    lens = [1, 40000, 17]
+    q, k, v = _inputs(rng, 3, 1, 2, 1, 64, lens)
+    _run(q, k, v, lens, 128)
+
+
+# ------------------------------------------------------------------------------ plan pieces
+
+
+def test_split_planner():
+    one = plan_split_kv([131072], 1024, 2)
+    assert [sum(i.keys for i in p) for p in one] == [65536, 65536]
+    assert all(i.n_parts == 2 for p in one for i in p)
+    many = plan_split_kv([2048] * 64, 1024, 2)
+    assert all(i.n_parts == 1 for p in many for i in p)
+    assert [len(p) for p in many] == [32, 32]
+    skew = plan_split_kv([131072] + [1024] * 63, 1024, 2)
+    loads = [sum(i.keys for i in p) for p in skew]
+    assert abs(loads[0] - loads[1]) <= 1024 and sum(loads) == 131072 + 63 * 1024
+    (only,), = plan_split_kv([0, 5], 128, 1)
+    assert (only.b, only.k0, only.k1, only.n_parts) == (1, 0, 5, 1)     # empty slots: no item
+    win = plan_split_kv([5000], 1024, 1, s_q=1, window=100)
+    assert win[0][0].k0 == 4096           # keys before the window's tile are never visited
+
+
+def test_tile_geometry():
+    assert tokens_per_partition(8, 128, 2) == 8          # 16 KiB runs
+    assert tokens_per_partition(1, 128, 2) == 16         # capped at MAX_T
+    assert tokens_per_partition(8, 128, 2, block_size=4) == 4
+    assert tokens_per_partition(8, 128, 2, max_len=200) == 2
+    lay = KVLayout(True, 64, 8, 128, 8)
+    assert (lay.tile_keys, lay.R, lay.row) == (1024, 8, 8192)
+
+
+def test_counters():
+    assert bytes_decode_attention([10, 0], 1, 4, 2, 64, 2) == 2 * 10 * 2 * 64 * 2 + 2 * 2 * 4 * 64 * 2
+    assert flops_decode_attention([3], 2, 1, 8) == 4 * 8 * (2 + 3)
+    assert flops_decode_attention([10], 1, 1, 8, window=4) == 4 * 8 * 4
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+def _base(rng):
+    q, k, v = _inputs(rng, 2, 1, 4, 2, 128, [5, 9])
+    return q, k, v
+
+
+@pytest.mark.parametrize("change, err, msg", [
+    (dict(block_table=np.array([[99, 0], [1, 2]], np.int32)), ValueError, "out of range"),
+    (dict(block_table=np.array([[0], [1]], np.int32)), ValueError, "capacity"),
+    (dict(seq_lens=[5, 100]), ValueError, "S_max"),
+    (dict(seq_lens=[5]), ValueError, "seq_lens must have one length"),
+    (dict(seq_lens=[5, -1]), ValueError, "seq_lens must be 0"),
+    (dict(window=0), ValueError, "window"),
+    (dict(lnc=3), ValueError, "lnc"),
+    (dict(scale=-1.0), ValueError, "scale"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(k_scale=0.5), ValueError, "FP8 caches only"),
+    (dict(sinks=np.zeros(3, np.float32)), ValueError, "sinks"),
+])
+def test_refusals(rng, change, err, msg):
+    q, k, v = _base(rng)
+    lens = change.pop("seq_lens", [5, 9])
+    if "block_table" in change:
+        k = rng.standard_normal((4, 8, 2, 128)).astype(BF16)
+        v = k
+    with pytest.raises(err, match=msg):
+        decode_attention(q, k, v, lens, **change)
+
+
+def test_refusals_shapes(rng):
+    q, k, v = _base(rng)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        decode_attention(q[..., :96], k[..., :96], v[..., :96], [5, 9])
+    with pytest.raises(ValueError, match="multiple of the cache's H_kv"):
+        decode_attention(q[:, :, :3], k, v, [5, 9])
+    with pytest.raises(ValueError, match="1 to 8 new tokens"):
+        decode_attention(np.concatenate([q] * 9, axis=1), k, v, [9, 9])
+    with pytest.raises(ValueError, match=">= s_q"):
+        decode_attention(np.concatenate([q] * 4, axis=1), k, v, [3, 9])
+    with pytest.raises(ValueError, match="query rows per KV head"):
+        big = np.zeros((1, 8, 64, 128), BF16)
+        decode_attention(big, k[:1, :, :2], v[:1, :, :2], [9])
+    with pytest.raises(ValueError, match="block_size"):
+        kk = np.zeros((4, 24, 2, 128), BF16)
+        decode_attention(q, kk, kk, [5, 9], block_table=np.zeros((2, 2), np.int32))
+    with pytest.raises(TypeError, match="q.dtype"):
+        decode_attention(q.astype(np.float32), k, v, [5, 9])
+    with pytest.raises(TypeError, match="k_cache and v_cache"):
+        decode_attention(q, k.astype(np.float16), v.astype(np.float16), [5, 9])
+    with pytest.raises(ValueError, match="same shape"):
+        decode_attention(q, k, v[:, :5], [5, 9])
+    with pytest.raises(TypeError, match="integer"):
+        decode_attention(q, k, v, [5.0, 9.0])
+
+
+def test_refusal_fp8_scale_count(tgt, rng):
+    q, k, v = _base(rng)
+    f8 = FP8[tgt]
+    k8, v8 = np.nan_to_num(k).astype(f8), np.nan_to_num(v).astype(f8)
+    with pytest.raises(ValueError, match="H_kv = 2"):
+        decode_attention(q, k8, v8, [5, 9], k_scale=np.ones(3))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        decode_attention(q, k8, v8, [5, 9], v_scale=0.0)
+    other = FP8["trn3" if tgt == "trn2" else "trn2"]
+    with pytest.raises(TypeError, match="FP8 on this target"):
+        decode_attention(q, np.nan_to_num(k).astype(other), np.nan_to_num(v).astype(other), [5, 9])
