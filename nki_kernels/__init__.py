@@ -4,7 +4,9 @@ Every op takes NumPy arrays (or CPU torch tensors on the emulator; device tensor
 instance), validates its arguments, picks its kernel variant, and runs it on the backend chosen by
 ``nki_kernels.backend``.
 """
+from .attention.decode_attention import decode_attention
 from .attention.flash_attention import flash_attention
+from .attention.merge_attention_states import merge_attention_states
 from .dense.matmul import matmul
 from .dense.qkv_proj import QKVOutput, qkv_proj
 from .dense.swiglu_mlp import swiglu_mlp, tile_weight
@@ -16,4 +18,5 @@ from .quant.rmsnorm_quant import rmsnorm_quant
 __version__ = "0.1.0"
 __all__ = ["matmul", "flash_attention", "qkv_proj", "QKVOutput", "swiglu_mlp", "tile_weight",
            "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "MXTensor",
-           "router_topk", "fused_moe", "tile_expert_weights"]
+           "router_topk", "fused_moe", "tile_expert_weights",
+           "decode_attention", "merge_attention_states"]
