@@ -189,10 +189,15 @@ def _profile_parser(sub):
     p.add_argument("--device", action="store_true",
                    help="on a trn instance: capture with neuron-explorer / neuron-profile and "
                         "print the device summary beside the modeled one")
+    p.add_argument("--png", nargs="?", const="", metavar="T0:T1",
+                   help="also draw the timeline as a Gantt PNG (matplotlib), optionally only the "
+                        "window T0:T1 in us")
     p.add_argument("--quiet", action="store_true", help="no summary on stdout")
 
 
 def _profile(args) -> int:
+    import json
+
     from nki_kernels.emulator import profile as prof
     out_dir = args.out
     if args.device:
@@ -212,6 +217,12 @@ def _profile(args) -> int:
         with emulated_target(args.target):
             p = prof.profile(fn, *fargs, target=args.target, lnc=lnc, name=label, **kw, **fkw)
         paths = p.write(out_dir, f"{prof.slug(label)}_{args.target}")
+        if args.png is not None:
+            t0, _, t1 = args.png.partition(":")
+            png = paths["trace"].with_name(paths["trace"].name.replace(".trace.json", ".png"))
+            prof.gantt(json.loads(paths["trace"].read_text()), png,
+                       t0_us=float(t0) if t0 else None, t1_us=float(t1) if t1 else None)
+            print(f"wrote {png}", file=sys.stderr)
         if not args.quiet:
             print(p.summary(args.top) + "\n")
         print(f"wrote {paths['trace']} (open in ui.perfetto.dev), {paths['summary']}",
@@ -242,7 +253,7 @@ def _module_job(args):
     import importlib.util
 
     from nki_kernels import emulator
-    emulator.install()                      # third-party kernels `import nki`: the emulator
+    emulator.install(force=True)            # third-party kernels `import nki`: the emulator
     mod_name, _, kname = args.op.rpartition(":")
     if mod_name.endswith(".py"):
         path = Path(mod_name)
@@ -340,11 +351,19 @@ def _profile_device(args) -> int:
     if out_dir is None:
         from nki_kernels.bench.harness import default_out_dir
         out_dir = default_out_dir() / "profiles"
-    os.environ.setdefault("NKI_ARTIFACTS_DIR", str((out_dir / "artifacts").resolve()))
     from nki_kernels.bench import device
     ok, why = device.status()
     if not ok:
         print(f"nki-kernels profile --device: {why}", file=sys.stderr)
+        return 2
+    if ":" in args.op:
+        print("nki-kernels profile --device: give a bench op (module kernels: modeled only)",
+              file=sys.stderr)
+        return 2
+    if not os.environ.get("NKI_ARTIFACTS_DIR"):   # nki reads it when imported: too late here
+        print(f"nki-kernels profile --device: set NKI_ARTIFACTS_DIR (e.g. "
+              f"{out_dir / 'artifacts'}) in the environment so that nki keeps the NEFF",
+              file=sys.stderr)
         return 2
     if device.profiler() is None:
         print("nki-kernels profile --device: neither neuron-explorer nor neuron-profile is on PATH",

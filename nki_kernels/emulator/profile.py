@@ -587,3 +587,86 @@ def side_by_side(device: dict, modeled: dict, label: str = "") -> str:
     if all(h is not None for h in hbm):
         out.append(f"  {'HBM bytes':<18}{sum(hbm):>12.4g}{modeled['hbm_bytes']:>12.4g}")
     return "\n".join(out)
+
+
+# ====================================================================================== picture
+_COLOURS = {"nc_matmul": 0, "nc_matmul_mx": 0, "nc_transpose": 1, "dma_copy": 14,
+            "dma_transpose": 15, "tensor_copy": 9, "activation": 10, "activate2": 11,
+            "exponential": 4, "tensor_scalar": 5, "tensor_tensor": 2, "tensor_reduce": 3,
+            "tensor_scalar_reduce": 6, "memset": 7, "iota": 13, "reciprocal": 12}
+
+
+def _colour(op, palette):
+    """A stable colour per opcode: fixed for the common ones, hashed for the rest."""
+    import zlib
+    return palette[_COLOURS.get(op, zlib.crc32(op.encode()) % len(palette))]
+
+
+def gantt(doc, png, *, t0_us=None, t1_us=None, title=None, arrows=True, arrows_max=400,
+          width=12.0):
+    """Render a trace document (``Profile.trace_json()`` or a loaded ``.trace.json``) as a Gantt
+    chart PNG: one row per track, boxes coloured by opcode, dependency arrows in grey; the window
+    ``[t0_us, t1_us]`` zooms in. Needs matplotlib (``pip install 'nki-kernels[bench]'``)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if isinstance(doc, Profile):
+        doc = doc.trace_json()
+    ev = doc["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    procs = {e["pid"]: e["args"]["name"] for e in ev
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    xs = [e for e in ev if e["ph"] == "X"]
+    lo = min([e["ts"] for e in xs] + [0.0]) if t0_us is None else t0_us
+    hi = max([e["ts"] + e["dur"] for e in xs] + [lo + 1e-3]) if t1_us is None else t1_us
+    used = sorted({(e["pid"], e["tid"]) for e in xs if e["ts"] < hi and e["ts"] + e["dur"] > lo})
+    row = {k: i for i, k in enumerate(used)}
+    multi = len({p for p, _ in used}) > 1
+    colours = {}
+    palette = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(width, 0.9 + 0.28 * len(used)))
+    bars = defaultdict(list)
+    for e in xs:
+        k = (e["pid"], e["tid"])
+        if k not in row or e["ts"] >= hi or e["ts"] + e["dur"] <= lo:
+            continue
+        op = e["name"].split(" ")[0]
+        colours.setdefault(op, _colour(op, palette))
+        bars[(row[k], op)].append((e["ts"], max(e["dur"], (hi - lo) * 2e-4)))
+    for (r, op), spans in bars.items():
+        ax.broken_barh(spans, (r - 0.4, 0.8), facecolors=colours[op], edgecolors="none")
+    n_arrows = 0
+    if arrows:
+        starts = {}
+        for e in ev:
+            if e["ph"] == "s":
+                starts[e["id"]] = e
+        for e in ev:
+            s = starts.get(e["id"]) if e["ph"] == "f" else None
+            if s is None or (s["pid"], s["tid"]) not in row or (e["pid"], e["tid"]) not in row:
+                continue
+            if not (lo <= s["ts"] <= hi and lo <= e["ts"] <= hi) or n_arrows >= arrows_max:
+                continue
+            n_arrows += 1
+            ax.annotate("", xy=(e["ts"], row[(e["pid"], e["tid"])]),
+                        xytext=(s["ts"], row[(s["pid"], s["tid"])]),
+                        arrowprops={"arrowstyle": "->", "color": "0.35", "lw": 0.6,
+                                    "alpha": 0.7})
+    ax.set_yticks(range(len(used)))
+    ax.set_yticklabels([(procs.get(p, str(p)).split(" (")[0] + ": " if multi else "")
+                        + names.get((p, t), str(t)) for p, t in used], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("modeled time (us)")
+    ax.set_title(title or f"{doc.get('otherData', {}).get('kernel', '')} (modeled timeline)",
+                 fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, list(colours), fontsize=6, ncol=min(6, len(colours)), loc="upper center",
+              bbox_to_anchor=(0.5, -0.12 - 0.6 / max(4, len(used))), frameon=False)
+    ax.grid(axis="x", lw=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png

@@ -222,13 +222,19 @@ def _smallest_matmul():
 
 def test_cli_profile_op(tmp_path, capsys):
     shape = _smallest_matmul()
+    assert main(["profile", "no_such_op", "--out", str(tmp_path)]) == 2
+    assert "no_such_op" in capsys.readouterr().err
     assert main(["profile", "matmul", "--tier", "fast", "--shape", shape,
                  "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "modeled profile of matmul" in out and "critical path" in out
     traces = list(tmp_path.glob("*.trace.json"))
     assert traces and json.loads(traces[0].read_text())["traceEvents"]
-    assert main(["profile", "no_such_op", "--out", str(tmp_path)]) == 2
+    pytest.importorskip("matplotlib")
+    assert main(["profile", "matmul", "--tier", "fast", "--shape", shape, "--png", "0:5",
+                 "--quiet", "--out", str(tmp_path)]) == 0
+    png = next(tmp_path.glob("*.png")).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
 def test_cli_profile_module_kernel(tmp_path, capsys):
