@@ -203,13 +203,20 @@ def run_kernel(kernel: Kernel, args, kwargs):
         elif orig.flags.writeable:
             np.copyto(orig, data.reshape(orig.shape))
     out = results[0]
-    return _outputs(kernel, out, use_torch)
+    inputs = {id(t.storage): (t, orig) for t, orig, _ in write_back}
+    return _outputs(kernel, out, use_torch, inputs)
 
 
-def _outputs(kernel, out, use_torch):
+def _outputs(kernel, out, use_torch, inputs=None):
     if out is None:
         return None
     if isinstance(out, NkiTensor):
+        aliased = (inputs or {}).get(id(out.storage))
+        if aliased is not None and out.shape == aliased[0].shape:
+            # an input argument the kernel wrote in place and returns: the output aliases the
+            # input (the graph compiler's `<name>.must_alias_input`; nki-spec §2.1)
+            arr = to_numpy(out)
+            return _numpy_to_torch(arr) if use_torch else arr
         if out.buffer is not rt.shared_hbm:
             raise NkiValidationError(
                 f"{kernel.fn.__name__}: returned tensor {out.name!r} is in {out.buffer.name}; kernel "
@@ -217,6 +224,6 @@ def _outputs(kernel, out, use_torch):
         arr = to_numpy(out)
         return _numpy_to_torch(arr) if use_torch else arr
     if isinstance(out, (tuple, list)):
-        return type(out)(_outputs(kernel, o, use_torch) for o in out)
+        return type(out)(_outputs(kernel, o, use_torch, inputs) for o in out)
     raise NkiValidationError(f"{kernel.fn.__name__}: kernels return nl.shared_hbm tensors (or a "
                              f"tuple of them); got {type(out).__name__}")

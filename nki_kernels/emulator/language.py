@@ -9,6 +9,7 @@ experimental in NKI and not implemented: calling one raises ``NotImplementedErro
 """
 from __future__ import annotations
 
+import builtins as _builtins
 import contextlib
 
 import numpy as np
@@ -62,7 +63,28 @@ def is_sbuf(b):
 
 
 class NKIObject:
-    """Base class for user objects passed to kernels (converted via ``__dict__`` on hardware)."""
+    """Base class for user objects passed to kernels (converted via ``__dict__`` on hardware).
+
+    As in NKI, a ``@dataclass`` subclass takes its un-annotated class attributes as fields too
+    (``x = None`` in the body becomes a field with default ``None``), after the annotated ones.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        import copy
+        import dataclasses
+        import typing as _t
+        ann = cls.__dict__.get("__annotations__")
+        if ann is None:
+            ann = {}
+            cls.__annotations__ = ann
+        for name, value in list(cls.__dict__.items()):
+            if name.startswith("_") or name in ann or callable(value) \
+                    or isinstance(value, (staticmethod, classmethod, property, type)):
+                continue
+            ann[name] = _t.Any
+            if isinstance(value, (list, dict, set)):
+                setattr(cls, name, dataclasses.field(default_factory=lambda v=value: copy.copy(v)))
 
 
 # ------------------------------------------------------------------------------------- allocation
@@ -174,17 +196,22 @@ def shared_identity_matrix(n, dtype=uint8, dst=None):
 # ------------------------------------------------------------------------------------- loops
 def affine_range(start, stop=None, step=1):
     """Deprecated alias of ``range`` (NKI 0.6+)."""
-    return range(start, stop, step) if stop is not None else range(start)
+    return _builtins.range(start, stop, step) if stop is not None else _builtins.range(start)
 
 
 sequential_range = affine_range
+range = affine_range  # noqa: A001  (nl.range: the loop NKI 0.6+ aliases the others to)
 static_range = affine_range
 
 _no_reorder_depth = [0]
 
 
-def dynamic_range(*args, **kwargs):
-    raise NotImplementedError("nl.dynamic_range was removed in NKI 0.7; use nl.fori_loop")
+def dynamic_range(start, stop=None, step=1):
+    """A register-driven loop (NKI <= 0.6; deprecated in 0.6, removed in 0.7: use fori_loop)."""
+    from . import versions
+    versions.check("nl.dynamic_range", "nl.dynamic_range")
+    lo, hi = (0, start) if stop is None else (start, stop)
+    return (NkiScalar(i) for i in _builtins.range(runtime_value(lo), runtime_value(hi), step))
 
 
 def fori_loop(lower, upper, body_fun, step=1):
@@ -195,7 +222,7 @@ def fori_loop(lower, upper, body_fun, step=1):
         raise NkiValidationError(f"nl.fori_loop: step must be a positive compile-time int; got "
                                  f"{step!r}")
     lo, hi = runtime_value(lower), runtime_value(upper)
-    for i in range(lo, hi, step):
+    for i in _builtins.range(lo, hi, step):
         r = body_fun(NkiScalar(i))
         if r is not None:
             raise NkiValidationError("nl.fori_loop: body_fun must return None (carry state in "
@@ -296,8 +323,19 @@ def _copy_tile(x, dtype=None):
     return out
 
 
-_MATH_FUNCS = ["matmul", "transpose", "load_transpose2d", "broadcast_to", "expand_dims",
-               "gather_flattened", "where", "sum", "max", "min", "mean", "prod", "var", "all",
+from .convenience import (  # noqa: E402,F401  (experimental tile-returning ops)
+    broadcast_to,
+    expand_dims,
+    matmul,
+    max,
+    mean,
+    min,
+    prod,
+    sum,
+    transpose,
+)
+
+_MATH_FUNCS = ["load_transpose2d", "gather_flattened", "where", "var", "all",
                "softmax", "rms_norm", "dropout", "rand", "random_seed"]
 
 

@@ -34,10 +34,9 @@ class Op:
         return f"nl.{self.name}"
 
     def __call__(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"nl.{self.name}(...) as a tile-returning convenience op is experimental in NKI and not "
-            f"implemented by the nki-kernels emulator; write the nisa instruction instead "
-            f"(e.g. nisa.tensor_tensor / nisa.tensor_scalar / nisa.activation with op=nl.{self.name})")
+        """``nl.add(x, y)``, ``nl.exp(x)``: the experimental tile-returning ops (convenience.py)."""
+        from .convenience import call_op
+        return call_op(self, args, dict(kwargs))
 
 
 def _f(x):

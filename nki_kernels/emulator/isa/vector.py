@@ -263,6 +263,8 @@ def memset(dst, value, engine=ENG.unknown, name=None):
             raise fail(I, "value", f"MX packed {dst.dtype} can only be memset to 0; got {value!r}")
         dst.write_pf(np.zeros((dst.shape[0], dst.free_size), dst.dtype.np), cast=False)
     elif dst.dtype.is_int:
+        if isinstance(value, (float, np.floating)) and float(value).is_integer():
+            value = int(value)  # an integral float (memset(value=0.0) on uint32) is that integer
         if not isinstance(value, (int, np.integer)):
             raise fail(I, "value", f"must be an int for the integer dtype {dst.dtype}; got {value!r}")
         dst.write_pf(np.full((dst.shape[0], dst.free_size), int(value), dtype=np.int64))

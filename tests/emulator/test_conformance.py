@@ -1,0 +1,287 @@
+"""The emulator as a drop-in NKI CPU simulator: NumPy-compatible dtypes, NKI versions, the module
+table, outputs aliasing inputs, and the runner for a project's own pytest suite."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+import nki_kernels.emulator as emu
+from nki_kernels.emulator import isa as nisa
+from nki_kernels.emulator import jit, versions
+from nki_kernels.emulator import language as nl
+from nki_kernels.emulator.errors import NkiValidationError
+
+
+# ------------------------------------------------------------------------------------------ dtypes
+@pytest.mark.parametrize("d, name", [(nl.float32, "float32"), (nl.bfloat16, "bfloat16"),
+                                     (nl.float16, "float16"), (nl.int32, "int32"),
+                                     (nl.float8_e4m3, "float8_e4m3"), (nl.uint8, "uint8")])
+def test_nl_dtypes_are_numpy_dtypes(d, name):
+    assert str(d) == name
+    assert np.dtype(d) == np.dtype(name)
+    a = np.zeros((2, 3), dtype=d)
+    assert a.dtype == np.dtype(name) and a.dtype == d
+    assert np.ones(3, np.float32).astype(d).dtype == np.dtype(name)
+
+
+def test_dtype_equality_is_by_kind_not_by_container():
+    assert nl.float32 == np.float32 and nl.float32 != nl.tfloat32
+    assert nl.bfloat16 == "bfloat16" and nl.bfloat16 != nl.float16
+    assert {nl.float32: 1}[nl.float32] == 1
+    assert f"{nl.bfloat16}" == "nl.bfloat16"       # the emulator's messages keep the nl. prefix
+
+
+def test_x4_host_arrays_keep_their_mx_type():
+    a = np.zeros((4, 2), dtype=nl.float8_e4m3fn_x4)
+    assert a.dtype.itemsize == 4 and a.dtype.metadata["nki_dtype"] == "float8_e4m3fn_x4"
+    from nki_kernels.emulator import runtime as rt
+    from nki_kernels.emulator.tensor import hbm_tensor
+    assert hbm_tensor(a, rt.hbm, "a").dtype is nl.float8_e4m3fn_x4
+    assert hbm_tensor(np.zeros((4, 2), np.uint32), rt.hbm, "b").dtype is nl.uint32
+
+
+# ------------------------------------------------------------------------------------------ versions
+def test_version_default_and_selection(monkeypatch):
+    monkeypatch.delenv(versions.ENV, raising=False)
+    assert versions.current() == "0.7"
+    monkeypatch.setenv(versions.ENV, "0.3")
+    assert versions.current() == "0.3"
+    with versions.nki_version("0.6"):
+        assert versions.current() == "0.6"
+    with pytest.raises(ValueError, match="0.9.*supported: 0.3"):
+        versions.set_version("0.9")
+
+
+def _dma_int_enum():
+    src = nl.ndarray((4, 8), nl.float32, buffer=nl.hbm)
+    dst = nl.ndarray((4, 8), nl.float32)
+    nisa.dma_copy(dst=dst, src=src, dge_mode=3)
+    return dst
+
+
+def _run(fn):
+    @jit
+    def k(x):
+        fn()
+        return None
+    return k(np.zeros((1, 1), np.float32))
+
+
+def test_integer_enums_removed_in_07_deprecated_in_03():
+    with versions.nki_version("0.7"):
+        with pytest.raises(NkiValidationError, match=r"integer enum values are rejected \(removed "
+                                                     r"in NKI 0.7"):
+            _run(_dma_int_enum)
+    with versions.nki_version("0.3"):
+        with pytest.warns(DeprecationWarning, match="integer enum values deprecated in NKI 0.3"):
+            _run(_dma_int_enum)
+
+
+def test_jit_mode_trace_under_03_warns_and_runs():
+    with versions.nki_version("0.3"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            k = jit(mode="trace")(lambda x: None)
+        assert k(np.zeros((1, 1), np.float32)) is None
+    with pytest.raises(NkiValidationError, match=r"mode=\.\.\.\) removed in NKI 0.7"):
+        jit(mode="trace")(lambda x: None)
+
+
+def test_string_dtype_only_before_07():
+    with versions.nki_version("0.3"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _run(lambda: nl.ndarray((4, 8), dtype="float32"))
+    with pytest.raises(TypeError, match="not accepted inside kernels since NKI 0.7"):
+        _run(lambda: nl.ndarray((4, 8), dtype="float32"))
+
+
+# ------------------------------------------------------------------------------------------ modules
+def test_retired_neuronxcc_namespace_gives_one_clear_error():
+    code = textwrap.dedent("""
+        import nki_kernels.emulator as e
+        e.install(force=True)
+        try:
+            import neuronxcc.nki.language
+        except ImportError as x:
+            print(x)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    assert "neuronxcc.nki namespace (NKI Beta 1) is retired" in out
+    assert "migration guide" in out
+
+
+def test_module_table_covers_the_harness_imports():
+    table = emu._module_table()
+    for name in ("nki", "nki.language", "nki.language.dtypes", "nki.dtype", "nki.isa",
+                 "nki.isa.constants", "nki.compiler", "nki.typing", "nki.tensor", "nki.builtin",
+                 "nki.collectives"):
+        assert name in table
+    assert table["nki.language.dtypes"].bfloat16 is nl.bfloat16
+    assert emu.collectives.rank_id() == 0
+    with pytest.raises(NotImplementedError, match="all_gather"):
+        emu.collectives.all_gather()
+
+
+# ------------------------------------------------------------------------------------------ outputs
+def _rope_like(x, out):
+    t = nl.ndarray(x.shape, x.dtype)
+    nisa.dma_copy(dst=t, src=x)
+    nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+def test_returning_an_input_written_in_place():
+    k = jit(_rope_like)
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    out = np.zeros_like(x)
+    r = k(x, out)
+    np.testing.assert_array_equal(r, 2 * x)
+    np.testing.assert_array_equal(out, 2 * x)
+
+
+def test_returning_private_hbm_or_sbuf_stays_an_error():
+    def private(x):
+        o = nl.ndarray(x.shape, x.dtype, buffer=nl.private_hbm)
+        nisa.dma_copy(dst=o, src=x)
+        return o
+
+    def sbuf(x):
+        o = nl.ndarray(x.shape, x.dtype)
+        nisa.dma_copy(dst=o, src=x)
+        return o
+    for fn, where in ((private, "private_hbm"), (sbuf, "sbuf")):
+        with pytest.raises(NkiValidationError, match=f"is in {where}; kernel outputs must"):
+            jit(fn)(np.ones((4, 8), np.float32))
+
+
+def test_cpu_simulate_spelling():
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    r = emu.cpu_simulate(_rope_like)[1](x=x, out=np.zeros_like(x))
+    np.testing.assert_array_equal(r, 2 * x)
+
+
+# ------------------------------------------------------------------------------------------ runner
+def test_runner_runs_a_projects_suite_with_the_standins(tmp_path):
+    (tmp_path / "test_k.py").write_text(textwrap.dedent("""
+        import numpy as np
+        import neuron_dtypes as dt
+        import nki, nki.language as nl, nki.isa as nisa
+        from nki_cpu_simulator.nki.language import dtypes as sim_dtypes
+
+        @nki.jit
+        def double(x):
+            out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+            t = nl.ndarray(x.shape, x.dtype)
+            nisa.dma_copy(dst=t, src=x)
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
+            nisa.dma_copy(dst=out, src=t)
+            return out
+
+        def test_double():
+            x = dt.static_cast(np.arange(16, dtype=np.float32).reshape(2, 8), nl.bfloat16)
+            assert x.dtype == np.dtype("bfloat16") and sim_dtypes.bfloat16 is nl.bfloat16
+            r = nki.cpu_simulate(double)[1](x=x)
+            assert np.array_equal(r.astype(np.float32), 2 * x.astype(np.float32))
+    """))
+    from nki_kernels.emulator.pytest_plugin import main
+    rc = main([str(tmp_path), "--nki-version", "0.3", "--", "-q", "-p", "no:cacheprovider",
+               "test_k.py"])
+    assert rc == 0
+
+
+def test_neuron_dtypes_standin_packs_mx():
+    from nki_kernels.emulator.pytest_plugin import static_cast
+    v = np.array([[0.5, -1.0, 2.0, 448.0, 0.0, 1.5, -0.25, 3.0]], np.float32)
+    packed = static_cast(v, nl.float8_e4m3fn_x4)
+    assert packed.shape == (1, 2) and packed.dtype.itemsize == 4
+    np.testing.assert_array_equal(static_cast(packed, np.float32), v)
+
+
+# ------------------------------------------------------------------------------------------ nl ops
+def test_getting_started_style_kernel_runs():
+    @jit
+    def add_kernel(a, b):
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        x = nl.load(a)
+        y = nl.load(b)
+        nl.store(out, nl.add(x, y))
+        return out
+    a = np.arange(64, dtype=np.float32).reshape(8, 8)
+    np.testing.assert_array_equal(add_kernel(a, 2 * a), 3 * a)
+
+
+def test_convenience_math_matches_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    y = rng.standard_normal((16, 24)).astype(np.float32)
+
+    @jit
+    def k(x, y):
+        o1 = nl.ndarray((16, 32), nl.float32, buffer=nl.shared_hbm)
+        o2 = nl.ndarray((32, 24), nl.float32, buffer=nl.shared_hbm)
+        o3 = nl.ndarray((16, 1), nl.float32, buffer=nl.shared_hbm)
+        o4 = nl.ndarray((32, 16), nl.float32, buffer=nl.shared_hbm)
+        o5 = nl.ndarray((16, 32), nl.float32, buffer=nl.shared_hbm)
+        xt, yt = nl.load(x), nl.load(y)
+        nl.store(o1, nl.multiply(nl.exp(xt), 2.0))
+        nl.store(o2, nl.matmul(xt, yt, transpose_x=True))
+        nl.store(o3, nl.max(xt, axis=1, keepdims=True))
+        nl.store(o4, nl.transpose(xt))
+        nl.store(o5, nl.broadcast_to(nl.sum(xt, axis=1, keepdims=True), (16, 32)))
+        return o1, o2, o3, o4, o5
+    o1, o2, o3, o4, o5 = k(x, y)
+    np.testing.assert_allclose(o1, 2 * np.exp(x), rtol=1e-6)
+    np.testing.assert_allclose(o2, x.T @ y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(o3, x.max(axis=1, keepdims=True))
+    np.testing.assert_array_equal(o4, x.T)
+    np.testing.assert_allclose(o5, np.broadcast_to(x.sum(axis=1, keepdims=True), (16, 32)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_broadcast_to_rejects_incompatible_shapes():
+    def body():
+        nl.broadcast_to(nl.ndarray((4, 3), nl.float32), (4, 6))
+    with pytest.raises(NkiValidationError, match=r"cannot broadcast \(4, 3\) to \(4, 6\)"):
+        _run(body)
+
+
+# ------------------------------------------------------------------------------------------ misc
+def test_dataclass_nkiobject_takes_unannotated_attributes_as_fields():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Params(nl.NKIObject):
+        n: int = 1
+        tile = None
+        flags = [1]
+
+    p = Params(n=2, tile=5)
+    assert (p.n, p.tile, p.flags) == (2, 5, [1]) and Params().flags is not p.flags
+
+
+def test_memset_integral_float_on_int_tile():
+    def body():
+        t = nl.ndarray((4, 8), nl.uint32)
+        nisa.memset(dst=t, value=0.0)
+        with pytest.raises(NkiValidationError, match="must be an int for the integer dtype"):
+            nisa.memset(dst=t, value=0.5)
+    _run(body)
+
+
+def test_dynamic_range_by_version():
+    def body():
+        for _i in nl.dynamic_range(0, 3):
+            nl.ndarray((1, 1), nl.int32)
+    with versions.nki_version("0.6"):
+        with pytest.warns(DeprecationWarning, match="deprecated in NKI 0.6"):
+            _run(body)
+    with pytest.raises(NkiValidationError, match="nl.dynamic_range removed in NKI 0.7"):
+        _run(body)
+    assert list(nl.range(3)) == [0, 1, 2]
