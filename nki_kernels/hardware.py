@@ -81,6 +81,10 @@ class CostParams:
     dynamic_copy_cycles: int = 600  # dynamic-offset copies: max(~600, N) [D ISA26]
     pool_cycles_per_elem: float = 1.0  # generic GpSimd elementwise: max(MIN_II, N) [Est, E.2]
 
+    # live-range renaming: a write that starts a new value of an on-chip region does not wait for
+    # the accesses of the value before it (the compiler's address rotation over 2 buffers) [C]
+    rename_onchip: bool = True
+
     # ---- semaphores
     # cross-engine semaphore wake-up, L_sem: 50-100 ns (midpoint) [Est, E.4]
     sem_ns: float = 75.0
@@ -89,8 +93,13 @@ class CostParams:
     dma_queues: int = 16           # DMA engines (rings) per NC [D AT2, AT3, DMA]
     dma_partitions_per_queue: int = 8  # 128-partition tile = 8 partitions per engine [D A2, DMA]
     dma_bw_q: float = 23.0         # practical B/ns per queue [D DBW]
-    # descriptor cost floor, bytes: t = (max(b, B_min) + B_fix) / BW_q [Est fit, A.6]
-    dma_b_min: float = 2400.0
+    # descriptor cost floor, bytes: t = (max(b, B_min) + B_fix) / BW_q [M bound, C]. The DMA
+    # overview's throughput-vs-bytes-per-partition figure alone fits B_min ~ 2.35 KB; the measured
+    # 90.92%-MFU nki-autotune GEMM (Trn2, 236 us, 3072 1-KiB descriptors per queue, scheduler off)
+    # bounds it below 236e3 * 23 / 3072 - 100 ~ 1.67 KB for streamed transfers (its queues are not busy
+    # every cycle); 1.5 KiB keeps the model at or under that bound with its own stream overheads
+    # (docs/cost-model.md, "DMA descriptor floor").
+    dma_b_min: float = 1536.0
     dma_b_fix: float = 100.0       # per-descriptor fixed bytes [Est fit, A.6]
     dma_lat_ns: float = 1300.0     # semaphore-to-start latency of every transfer [D DBW]
     # transfers in flight per queue (setup pipelined): 2-4 (midpoint) [Est, E.3]
@@ -114,9 +123,12 @@ class CostParams:
     hbm_stack_gbps: float = 725.0  # per stack (the 2 NCs of an LNC=2 pair) = chip / 4 [Der, D LNC]
 
     # ---- launch
-    # fixed device-side cost per kernel launch; see the [C] note below
+    # fixed device-side cost per kernel launch inside the profiled kernel time: 0 (see [C] below)
     launch_ns: float = 0.0
-    launch_ns_ncl: float = 12500.0  # neuron-bench NCL floor, 10-15 us (midpoint) [M CS149] [C]
+    # host-side launch overhead of one kernel call, reported apart as CostReport.launch_e2e_ns and
+    # added only to end_to_end_ns: the neuron-bench NCL floor of a tiny kernel (10-15 us [M CS149])
+    # less its ~3.1 us device time (nrtpy 3.0-3.2 us [M]) [Der]
+    launch_e2e_ns: float = 9400.0
     # ACT function-set switch, 1-2 us [Est]; not modeled (no table map)
     act_table_switch_ns: float = 1500.0
 

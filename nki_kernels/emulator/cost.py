@@ -28,6 +28,7 @@ Public API: :func:`estimate` (run a kernel or op and model it), :func:`model_tra
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from bisect import bisect_right
@@ -76,6 +77,14 @@ class CostReport:
     tensor_ideal_ns: float = 0.0
     throttle_ns: float = 0.0         # extra TensorE time from the dI/dt ramp
     flops_by_kind: dict = field(default_factory=dict)  # bf16 | fp8 | mx | fp32 -> flops
+    launch_e2e_ns: float = 0.0       # host-side launch overhead per call, NOT in total_ns
+    elided: int = 0                  # instructions the compiler drops (dead PSUM memsets)
+
+    @property
+    def end_to_end_ns(self) -> float:
+        """Kernel time plus the host-side launch overhead of each launch: what a host-side timer
+        (neuron-bench style) sees for one call; ``total_ns`` is what a device profile shows."""
+        return self.total_ns + self.n_launches * self.launch_e2e_ns
 
     @property
     def total_us(self) -> float:
@@ -96,9 +105,10 @@ class CostReport:
         cp = hardware.cost_params(self.target)
         lines = [f"modeled device time on {self.target} (LNC={self.lnc}): "
                  f"{self.total_ns / 1000:.3f} us  [analytical cost model, not a measurement]",
-                 f"  {self.n_launches} launch(es) x {self.launch_ns / 1000:.2f} us overhead; "
-                 f"{self.n_instructions} instructions; {self.dma_transfers} DMA transfers, "
-                 f"{self.dma_descriptors} descriptors",
+                 f"  {self.n_launches} launch(es); end to end with host launch overhead "
+                 f"({self.launch_e2e_ns / 1000:.1f} us each): {self.end_to_end_ns / 1000:.3f} us",
+                 f"  {self.n_instructions} instructions ({self.elided} dropped as dead); "
+                 f"{self.dma_transfers} DMA transfers, {self.dma_descriptors} descriptors",
                  "",
                  f"  {'engine (modeled)':<18}{'busy us':>10}{'busy %':>8}"]
         for e in ENGINES:
@@ -157,7 +167,8 @@ def estimate(fn, *args, target="trn3", lnc=1, **kwargs) -> CostReport:
 _observers: list = []
 
 
-def model_trace(trace, target="trn3", lnc=None, launch_ns=None, schedules=None) -> CostReport:
+def model_trace(trace, target="trn3", lnc=None, launch_ns=None, schedules=None,
+                params=None) -> CostReport:
     """Model a recorded :class:`~nki_kernels.emulator.trace.Trace` on ``target``.
 
     Launches are split where ``trace.launches[k]["first_instruction"]`` says (``estimate`` records
@@ -165,10 +176,13 @@ def model_trace(trace, target="trn3", lnc=None, launch_ns=None, schedules=None) 
     it); without that key the whole trace is one schedule paying ``len(launches)`` overheads.
     ``schedules``: a list to which each launch's ``(first, stop, t_launch_ns, _Schedule)`` is
     appended, its DMA queue segments logged (``_DmaSim.log``), for the profiler; times unchanged.
+    ``params``: ``{CostParams field: value}`` overrides, for sensitivity studies only.
     """
     if schedules is None and _observers:
         schedules = []
     gen = hardware.generation(target)
+    if params:   # what-if runs (nki-kernels calibrate --set NAME=VALUE): never the defaults
+        gen = dataclasses.replace(gen, cost=dataclasses.replace(gen.cost, **params))
     cp = gen.cost
     instrs = list(trace.instructions)
     launches = list(getattr(trace, "launches", []) or [])
@@ -212,7 +226,8 @@ def model_trace(trace, target="trn3", lnc=None, launch_ns=None, schedules=None) 
         critical_path=_compress(crit), binding_engine=binding, n_launches=n_overheads,
         launch_ns=L_ns, makespan_ns=t0 - n_overheads * L_ns, per_core_busy_ns=acc.per_core,
         dma_transfers=acc.n_dma, dma_bytes=int(acc.dma_bytes), dma_descriptors=int(acc.n_desc),
-        tensor_ideal_ns=acc.ideal, throttle_ns=acc.throttle, flops_by_kind=dict(acc.by_kind))
+        tensor_ideal_ns=acc.ideal, throttle_ns=acc.throttle, flops_by_kind=dict(acc.by_kind),
+        launch_e2e_ns=cp.launch_e2e_ns, elided=acc.elided)
     for obs in list(_observers):
         obs(trace, schedules, rep)
     return rep
@@ -240,6 +255,7 @@ class _Totals:
         self.throttle = 0.0
         self.by_kind = {"bf16": 0.0, "fp8": 0.0, "mx": 0.0, "fp32": 0.0}
         self.per_core = []
+        self.elided = 0
 
 
 def _compress(rows, limit=20):
@@ -386,7 +402,7 @@ class _Item:
     """One instruction prepared for scheduling."""
 
     __slots__ = ("i", "ins", "prog", "q", "kind", "occ", "ls", "slots", "bg", "lat_same",
-                 "lat_cross", "deps", "partner", "cals", "segs", "issuer", "dge", "fl", "nd")
+                 "lat_cross", "deps", "partner", "cals", "segs", "issuer", "dge", "fl", "nd", "dead")
 
     def __init__(self, i, ins):
         self.i = i
@@ -407,6 +423,7 @@ class _Item:
         self.issuer = None     # DMA: "sp" | "scalar" | "gpsimd"
         self.dge = None        # DMA: HW-DGE instance
         self.fl = None         # (kind, flops) for TensorE
+        self.dead = False      # a dead PSUM memset the compiler drops (see _dead_psum_memsets)
         self.nd = 0            # DMA: descriptors (profiler)
 
 
@@ -669,20 +686,107 @@ class _Costs:
 
 
 # ============================================================================== dependencies
-def _dependencies(items):
+def _overwrites_psum(ins):
+    """True when a TensorE instruction writes its PSUM destination without reading it."""
+    if ins.engine != "tensor":
+        return False
+    a = ins.attrs
+    return ins.opcode == "nc_transpose" or bool(a.get("is_transpose")) or bool(a.get("overwrote"))
+
+
+def _dead_psum_memsets(items):
+    """Mark the PSUM memsets whose every byte is overwritten by matmuls before anything reads it.
+
+    NKI's ``nc_matmul(accumulate=None)`` (the default) overwrites a PSUM location on its first
+    matmul write and accumulates afterwards, and on gen2/gen3 accumulating onto PSUM that a
+    non-matmul instruction wrote is undefined (nki-spec 9.1.1; NKI ISA docs, ``nc_matmul``). So
+    the common ``memset(psum, 0)`` before a K loop is dead: its zeros are never read. The compiler
+    drops dead stores; the model does the same, so the memset neither occupies VectorE nor makes
+    the first matmul of the next tile wait behind the previous tile's PSUM drain on VectorE's
+    in-order queue. (The nki-autotune matmul measured at 90.92% MFU on Trn2 with the compiler's
+    instruction scheduling off runs such a memset per output tile; with the memset on the critical
+    path it could not exceed ~40%.) A memset any byte of which is read, or accumulated onto, first
+    stays live.
+    """
+    pending = {}   # (prog, alloc) -> [[item, p0, p1, lo, hi, covered intervals]]
+    for it in items:
+        ins = it.ins
+        ops = [(o, False) for o in ins.reads] + [(o, True) for o in ins.writes]
+        for o, w in ops:
+            if o.buffer != "psum":
+                continue
+            lst = pending.get((it.prog, o.alloc))
+            if not lst:
+                continue
+            p0, p1, lo, hi = o.partitions[0], o.partitions[1], o.extent[0], o.extent[1]
+            keep = []
+            for m in lst:
+                if not (m[1] < p1 and p0 < m[2] and m[3] < hi and lo < m[4]):
+                    keep.append(m)
+                    continue
+                if not (w and _overwrites_psum(ins) and p0 <= m[1] and m[2] <= p1):
+                    continue                      # read (or accumulated onto) first: live
+                m[5].append((max(lo, m[3]), min(hi, m[4])))
+                m[5].sort()
+                reach = m[3]
+                for a, b in m[5]:
+                    if a > reach:
+                        break
+                    reach = max(reach, b)
+                if reach >= m[4]:
+                    m[0].dead = True              # fully overwritten before any read
+                else:
+                    keep.append(m)
+            pending[(it.prog, o.alloc)] = keep
+        if ins.opcode == "memset" and ins.writes and ins.writes[0].buffer == "psum":
+            o = ins.writes[0]
+            pending.setdefault((it.prog, o.alloc), []).append(
+                [it, o.partitions[0], o.partitions[1], o.extent[0], o.extent[1], []])
+
+
+def _kills(ins, op):
+    """True when write operand ``op`` of ``ins`` starts a new value of its on-chip region: the
+    instruction writes it without reading it (no accumulation, no read of the same allocation)."""
+    if op.buffer not in ("sbuf", "psum") or ins.attrs.get("barrier"):
+        return False
+    if ins.engine == "tensor" and not _overwrites_psum(ins):
+        return False
+    p0, p1, lo, hi = op.partitions[0], op.partitions[1], op.extent[0], op.extent[1]
+    for r in ins.reads:
+        if r.alloc == op.alloc and r.partitions[0] < p1 and p0 < r.partitions[1] \
+                and r.extent[0] < hi and lo < r.extent[1]:
+            return False
+    return True
+
+
+def _covered(e, p0, p1, clo, chi, blo, bhi):
+    return (p0 <= e[0] and e[1] <= p1 and clo <= (e[2] if e[2] > blo else blo)
+            and (e[3] if e[3] < bhi else bhi) <= chi)
+
+
+def _dependencies(items, rename=True):
     """RAW / WAR / WAW edges from overlapping operand regions of the same (program, allocation).
 
     Each allocation keeps bucketed lists of its live writes and reads (bucket size ~ the median
     access span). A read scans only the writes; a write scans both, then drops the accesses it
     fully covers within a bucket (they are ordered before it transitively). A read also drops older
     reads of the same region from the same in-order compute queue.
+
+    Live-range renaming (the compiler's address rotation): a write that starts a new value of an
+    on-chip region (it writes without reading, see ``_kills``) and covers the earlier accesses of
+    that region does not wait for them; it waits for the accesses of the value before those
+    (rotation over two buffers). So a tile allocated once outside a loop and rewritten every
+    iteration pipelines like a tile allocated in the loop body, as the Neuron compiler's allocator
+    (liveness-based, with an AddressRotation pass that ``address=`` pins disable at a measured
+    ~48 MFU points; nki-autotune .claude/rules/learnings.md) arranges on hardware. Accesses it
+    overlaps without covering keep their edges.
     """
     spans = {}
     for it in items:
         ins = it.ins
         for op in ins.reads:
             spans.setdefault((it.prog, op.alloc), []).append(op.extent[1] - op.extent[0])
-        for op in ins.writes:
+        for op in ([] if it.dead else ins.writes):
             spans.setdefault((it.prog, op.alloc), []).append(op.extent[1] - op.extent[0])
     shift = {}
     for key, s in spans.items():
@@ -692,14 +796,17 @@ def _dependencies(items):
     index = {key: {} for key in spans}
 
     for it in items:
+        if it.dead:
+            continue
         ins = it.ins
         is_barrier = ins.attrs.get("barrier")
         reads = [] if is_barrier else ins.reads
         writes = list(ins.writes) + (list(ins.reads) if is_barrier else [])
         deps = set()
-        accesses = [(op, False) for op in reads] + [(op, True) for op in writes]
+        accesses = [(op, False, False) for op in reads] + \
+                   [(op, True, rename and _kills(ins, op)) for op in writes]
         plan = []
-        for op, w in accesses:
+        for op, w, kill in accesses:
             key = (it.prog, op.alloc)
             buckets = index[key]
             sh = shift[key]
@@ -707,7 +814,7 @@ def _dependencies(items):
             if hi <= lo:
                 continue
             b0, b1 = lo >> sh, (hi - 1) >> sh
-            plan.append((buckets, sh, p0, p1, lo, hi, b0, b1, w))
+            plan.append((buckets, sh, p0, p1, lo, hi, b0, b1, w, kill))
             if b1 - b0 < 64 or len(buckets) > (b1 - b0):
                 keys = range(b0, b1 + 1)
             else:
@@ -715,6 +822,18 @@ def _dependencies(items):
             for bk in keys:
                 pair = buckets.get(bk)
                 if pair is None:
+                    continue
+                if kill:
+                    blo, bhi = bk << sh, (bk + 1) << sh
+                    clo, chi = (lo if lo > blo else blo), (hi if hi < bhi else bhi)
+                    for j in (0, 1):
+                        for e in pair[j]:
+                            if e[0] < p1 and p0 < e[1] and e[2] < hi and lo < e[3] and \
+                                    not _covered(e, p0, p1, clo, chi, blo, bhi):
+                                deps.add(e[4])
+                    for e in pair[2]:
+                        if e[0] < p1 and p0 < e[1] and e[2] < hi and lo < e[3]:
+                            deps.add(e[4])
                     continue
                 for e in pair[0]:
                     if e[0] < p1 and p0 < e[1] and e[2] < hi and lo < e[3]:
@@ -726,31 +845,34 @@ def _dependencies(items):
         deps.discard(it.i)
         it.deps = tuple(sorted(deps))
         prune_reads = it.kind != "dma"
-        for (buckets, sh, p0, p1, lo, hi, b0, b1, w) in plan:
+        for (buckets, sh, p0, p1, lo, hi, b0, b1, w, kill) in plan:
             entry = (p0, p1, lo, hi, it.i, it.q)
             for bk in range(b0, b1 + 1):
                 pair = buckets.get(bk)
                 if pair is None:
-                    buckets[bk] = [[entry], []] if w else [[], [entry]]
+                    buckets[bk] = [[entry], [], []] if w else [[], [entry], []]
                     continue
                 blo, bhi = bk << sh, (bk + 1) << sh
                 clo, chi = (lo if lo > blo else blo), (hi if hi < bhi else bhi)
                 if w:
+                    if kill:   # the covered accesses become the previous value's
+                        pair[2] = [e for e in pair[2]
+                                   if not _covered(e, p0, p1, clo, chi, blo, bhi)]
+                        for j in (0, 1):
+                            pair[2].extend(e for e in pair[j]
+                                           if _covered(e, p0, p1, clo, chi, blo, bhi))
                     for j in (0, 1):
                         lst = pair[j]
                         if lst:
-                            pair[j] = [e for e in lst if not (
-                                p0 <= e[0] and e[1] <= p1 and clo <= (e[2] if e[2] > blo else blo)
-                                and (e[3] if e[3] < bhi else bhi) <= chi)]
+                            pair[j] = [e for e in lst
+                                       if not _covered(e, p0, p1, clo, chi, blo, bhi)]
                     pair[0].append(entry)
                 else:
                     lst = pair[1]
                     if prune_reads and lst:
                         q = it.q
                         pair[1] = [e for e in lst if not (
-                            e[5] == q and p0 <= e[0] and e[1] <= p1
-                            and clo <= (e[2] if e[2] > blo else blo)
-                            and (e[3] if e[3] < bhi else bhi) <= chi)]
+                            e[5] == q and _covered(e, p0, p1, clo, chi, blo, bhi))]
                     pair[1].append(entry)
 
 
@@ -1015,11 +1137,15 @@ class _Schedule:
             if len(group) == 2:
                 for a, b in zip(group.get(0, []), group.get(1, [])):
                     a.partner, b.partner = b.i, a.i
-        _dependencies(items)
+        _dead_psum_memsets(items)
+        self.elided = sum(1 for it in items if it.dead)
+        _dependencies(items, cp.rename_onchip)
         # queues
         self.qlist = {}
         self.floating = []
         for it in items:
+            if it.dead:
+                continue
             if it.q == "dma":
                 self.floating.append(it.i)
             else:
@@ -1096,6 +1222,10 @@ class _Schedule:
 
     # ------------------------------------------------------------------ main loop
     def run(self):
+        for it in self.items:
+            if it.dead:                    # dropped by the compiler: takes no time, gates nothing
+                self.start[it.i] = 0.0
+                self.end[it.i] = 0.0
         for key in self.qlist:
             self._try_queue(key)
         for i in self.floating:
@@ -1286,6 +1416,7 @@ class _Schedule:
 
     # ------------------------------------------------------------------ results
     def collect(self, acc):
+        acc.elided += self.elided
         acc.flops += self.flops
         acc.tflops_t += self.tflops_t
         acc.hbm_r += self.hbm_r

@@ -93,15 +93,21 @@ def two_engines(x, n, mode):
 
 
 @jit
-def pipeline(x, n, fresh):
+def pipeline(x, n, fresh, partial=False):
     """load -> exp -> store for ``n`` tiles; ``fresh``: a new SBUF tile per iteration, else one
-    tile reused in place for everything."""
+    tile reused in place for everything; ``partial``: each load rewrites only half the tile."""
     out = nl.ndarray((n,) + x.shape, x.dtype, buffer=nl.shared_hbm)
     t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    if partial:
+        nisa.dma_copy(dst=t, src=x)
+    half = x.shape[1] // 2
     for i in range(n):
         if fresh:
             t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=x)
+        if partial:
+            nisa.dma_copy(dst=t[:, 0:half], src=x[:, 0:half])
+        else:
+            nisa.dma_copy(dst=t, src=x)
         nisa.activation(dst=t, op=nl.exp, data=t)
         nisa.dma_copy(dst=out[i], src=t)
     return out
@@ -240,19 +246,31 @@ def test_transposes_count_as_transpose_flops():
 
 
 # ----------------------------------------------------------------------------- DMA
-@pytest.mark.parametrize("nbytes,frac", [(256, 0.10), (1024, 0.42), (2048, 0.81), (4096, 0.97)])
-def test_dma_efficiency_vs_bytes_per_partition(nbytes, frac):
-    """Throughput of a stream of 128-partition loads, normalised to 32 KiB per partition
-    (hardware.md A.6 table, Trn2)."""
-    def throughput(b):
-        src = np.ones((128, b // 4), np.float32)
-        t4 = estimate(dma_stream, src, 4, target="trn2").total_ns
-        t8 = estimate(dma_stream, src, 8, target="trn2").total_ns
-        return 4 * 128 * b / (t8 - t4)                        # B/ns in steady state
+def _stream_throughput(b, target="trn2"):
+    """Steady-state B/ns of a stream of 128-partition loads of ``b`` bytes per partition."""
+    src = np.ones((128, b // 4), np.float32)
+    t4 = estimate(dma_stream, src, 4, target=target).total_ns
+    t8 = estimate(dma_stream, src, 8, target=target).total_ns
+    return 4 * 128 * b / (t8 - t4)
 
-    ref = throughput(32768)
+
+@pytest.mark.parametrize("nbytes,frac", [(256, 0.155), (1024, 0.62), (2048, 0.95), (4096, 0.97)])
+def test_dma_efficiency_vs_bytes_per_partition(nbytes, frac):
+    """Streamed 128-partition loads, normalised to 32 KiB per partition (Trn2). Below the
+    descriptor floor B_min = 1.5 KiB the descriptor rate binds (throughput linear in bytes); from
+    4 KiB the queues run at 97%+ as the DMA overview figure shows. At 1 KiB the model gives 62%
+    (the figure, isolated transfers: 42%): the measured 90.92%-MFU GEMM streams 1 KiB descriptors at
+    >= 13.3 B/ns per queue (docs/cost-model.md, "DMA descriptor floor")."""
+    ref = _stream_throughput(32768)
     assert ref == pytest.approx(362.5, rel=0.02)               # the Trn2 HBM share binds at 32 KiB
-    assert throughput(nbytes) / ref == pytest.approx(frac, abs=0.03)
+    assert _stream_throughput(nbytes) / ref == pytest.approx(frac, abs=0.03)
+
+
+def test_streamed_1kib_descriptors_meet_the_measured_gemm_bound():
+    # 90.92% MFU = 236 us for 2048^3 on Trn2 while each queue moved 3072 descriptors of 1 KiB:
+    # a queue sustains >= 3072 * 1024 / 236e3 = 13.3 B/ns at 1 KiB per descriptor
+    per_queue = _stream_throughput(1024) / 16
+    assert per_queue >= 13.3
 
 
 def test_single_queue_32_kib_transfer():
@@ -267,10 +285,13 @@ def test_single_queue_32_kib_transfer():
 
 
 def test_small_descriptors_cost_their_floor():
-    # 128 partitions x 256 B: 8 descriptors per queue at ~(2400 + 100) B / 23 B/ns each
+    # 128 partitions x 256 B: 8 descriptors per queue at ~(B_min + B_fix) / 23 B/ns each
+    from nki_kernels.hardware import cost_params
+    cp = cost_params("trn2")
     src = np.ones((128, 64), np.float32)
     rep = estimate(dma_stream, src, 1, target="trn2")
-    assert rep.engine_busy_ns["dma"] == pytest.approx(8 * 2500 / 23, rel=0.05)
+    assert rep.engine_busy_ns["dma"] == pytest.approx(8 * (cp.dma_b_min + cp.dma_b_fix) / 23,
+                                                      rel=0.05)
 
 
 @pytest.mark.parametrize("tgt", ["trn2", "trn3"])
@@ -302,16 +323,20 @@ def test_independent_engines_overlap_dependent_work_serializes():
     assert T["chain"].total_ns - T["indep"].total_ns > 0.9 * act
 
 
-def test_fresh_tiles_double_buffer_reused_tile_serializes():
+def test_fresh_and_rewritten_tiles_pipeline_a_partial_rewrite_serializes():
     x = np.ones((128, 512), np.float32)                       # 2 KiB per partition
     n = 8
     fresh = estimate(pipeline, x, n, True, target="trn3")
     reuse = estimate(pipeline, x, n, False, target="trn3")
+    carry = estimate(pipeline, x, n, False, True, target="trn3")
     np.testing.assert_allclose(fresh.outputs, reuse.outputs)
-    # reuse: load(i+1) waits for store(i) (WAR) -> at least two 1.3 us DMA latencies per tile
-    assert reuse.total_ns > n * 2 * 1300
-    # fresh: loads run ahead while tiles are computed and stored
-    assert fresh.total_ns < 0.5 * reuse.total_ns
+    # a tile rewritten whole each iteration is renamed (address rotation over two buffers): the
+    # load of tile i+1 does not wait for the store of tile i (only for that of tile i-1)
+    assert reuse.total_ns < 0.8 * carry.total_ns
+    # a load that rewrites half the tile keeps the other half's value: load(i+1) waits for
+    # store(i) (WAR) -> at least two 1.3 us DMA latencies per tile
+    assert carry.total_ns > n * 2 * 1300
+    assert fresh.total_ns < 0.5 * carry.total_ns
 
 
 def test_different_allocations_never_conflict_and_disjoint_regions_do_not_either():
@@ -363,7 +388,8 @@ def test_hbm_dependencies_are_rectangles_of_the_row_major_allocation():
     assert 2 in deps[3]                                 # overlapping columns: WAW
     assert deps[4] == (1,)                              # RAW on exactly the block written
     assert deps[5] == (0,)                              # rows 8..15 of untouched columns
-    assert set(deps[6]) >= {1, 2, 3, 4}                 # whole rows 0..3 of the matrix: all
+    assert set(deps[6]) >= {1, 2, 3}                    # whole rows 0..3 of the matrix: all
+    assert 4 not in deps[6]                             # u rewritten whole: renamed, no WAW
 
 
 def test_lnc2_programs_run_concurrently_and_share_the_stack():

@@ -232,13 +232,13 @@ def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_p
     v = _dequantize(moving, moving_scale, rows_m)              # [4K, N]
     with np.errstate(invalid="ignore", over="ignore"):
         result = s.T @ v
-    _accumulate(I, dst, result.astype(np.float32), accumulate)
+    overwrote = _accumulate(I, dst, result.astype(np.float32), accumulate)
     return emit("tensor", I, [("stationary", stationary), ("moving", moving),
                               ("stationary_scale", stationary_scale),
                               ("moving_scale", moving_scale)], [("dst", dst)],
                 {"K": 4 * K, "K_x4": K, "M": M, "N": N, "in_dtype": stationary.dtype.name,
                  "mov_dtype": moving.dtype.name, "perf_mode": "mx", "accumulate": accumulate,
-                 "tile_position": tp, "tile_size": ts, "onezero": False}, name)
+                 "overwrote": overwrote, "tile_position": tp, "tile_size": ts, "onezero": False}, name)
 
 
 __all__ = ["quantize_mx", "nc_matmul_mx"]

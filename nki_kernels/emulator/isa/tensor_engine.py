@@ -43,23 +43,29 @@ def _check_bank(instr, dst, g):
 
 
 def _accumulate(instr, dst, result, accumulate):
-    """Write ``result`` [M, N] f32 into PSUM ``dst`` with the accumulate semantics of §9.1.1."""
-    g = gen()
+    """Write ``result`` [M, N] f32 into PSUM ``dst`` with the accumulate semantics of §9.1.1.
+
+    Returns True when no element accumulated (every element of ``dst`` was overwritten): the
+    cost model needs it to tell a dead PSUM memset (one the first matmul overwrites) from a live one.
+    """
     mask = mask_view(dst).reshape(dst.shape[0], -1)
     cur = dst.read_f32()
     if accumulate is None:
+        overwrote = not mask.any()
         out = np.where(mask, cur + result, result)
     elif accumulate:
+        overwrote = False
         if not mask.all():
             warnings.warn(f"{instr}: accumulate=True onto PSUM elements of {dst.name!r} that no "
                           f"matmul wrote: undefined on hardware", NkiHardwareWarning, stacklevel=3)
         out = cur + result
     else:
+        overwrote = True
         out = result
     dst.write_pf(out)
     mv = mask_view(dst)
     mv[...] = True
-    return g
+    return overwrote
 
 
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False,
@@ -156,11 +162,12 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         m = m.reshape(K * 2, N)
     with np.errstate(invalid="ignore", over="ignore"):   # inf/NaN inputs propagate, as on HW
         result = s.T @ m
-    _accumulate(I, dst, result, accumulate)
+    overwrote = _accumulate(I, dst, result, accumulate)
     return emit("tensor", "nc_matmul", [("stationary", stationary), ("moving", moving)],
                 [("dst", dst)], {"K": K * (2 if double else 1), "M": M, "N": N,
                                  "in_dtype": sd.name, "mov_dtype": md.name,
                                  "perf_mode": perf_mode.value, "accumulate": accumulate,
+                                 "overwrote": overwrote,
                                  "tile_position": tuple(tile_position),
                                  "tile_size": tuple(tile_size),
                                  "onezero": bool(is_stationary_onezero or is_moving_onezero)}, name)
