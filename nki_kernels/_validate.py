@@ -45,3 +45,64 @@ def float_vector(op, name, v, n):
     if a.dtype.kind not in "fV" and dtype_name(a) != "bfloat16":
         raise TypeError(f"{op}: {name} must be a float vector; got {a.dtype}")
     return np.ascontiguousarray(a.astype(np.float32))
+
+
+# ------------------------------------------------------------------------ one rule for every op
+GEN_NAMES = {2: "trn1", 3: "trn2", 4: "trn3"}
+_GRAD_WARNED: set = set()
+
+
+def check_target(op, supported=("trn2", "trn3")) -> int:
+    """The NeuronCore generation the op runs on (3 = Trn2, 4 = Trn3), refused up front with one
+    clear error when ``op`` does not support it (the emulator's target, or the device's).
+    Raises ``BackendUnavailable`` first when the backend asked for cannot run here."""
+    from .backend import nisa, require
+    require()
+    gen = int(nisa.get_nc_version())
+    name = GEN_NAMES.get(gen, f"gen{gen}")
+    if name not in supported:
+        raise ValueError(f"{op}: target {name} is not supported; supported targets: "
+                         f"{', '.join(supported)}")
+    return gen
+
+
+def check_eps(op, eps, name="eps") -> float:
+    """A finite float > 0 (eps = 0 turns an all-zero row into inf / NaN); not a bool."""
+    ok = isinstance(eps, (int, float, np.floating, np.integer)) and not isinstance(eps, bool)
+    if not ok or not np.isfinite(eps) or not eps > 0:
+        raise ValueError(f"{op}: {name} must be a finite float > 0; got {eps!r}")
+    return float(eps)
+
+
+def check_flag(op, name, value) -> bool:
+    """A flag takes True or False only (a string such as "no" would read as true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be True or False; got {value!r}")
+    return bool(value)
+
+
+def array_like(op, name, value, dtype=np.float32):
+    """Any array-like (list, tuple, NumPy array, CPU torch tensor) as a NumPy array of ``dtype``;
+    the error names what it got."""
+    if is_torch(value):
+        value = value.detach().float().cpu().numpy()
+    try:
+        a = np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError):
+        got = type(value).__name__ if not isinstance(value, str) else repr(value)
+        raise TypeError(f"{op}: {name} must be an array-like of numbers (list, NumPy array, "
+                        f"tensor); got {got}") from None
+    return a
+
+
+def check_no_grad(op, *arrays):
+    """The ops are inference-only: a torch tensor that requires grad comes back detached. Warn
+    once per op (a UserWarning), so a training loop learns it has no gradient here."""
+    if op in _GRAD_WARNED:
+        return
+    if any(is_torch(a) and getattr(a, "requires_grad", False) for a in arrays):
+        import warnings
+        _GRAD_WARNED.add(op)
+        warnings.warn(f"{op}: nki-kernels ops are inference-only: inputs that require grad are "
+                      f"read detached and the result has no autograd history", UserWarning,
+                      stacklevel=3)

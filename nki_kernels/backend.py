@@ -10,6 +10,10 @@ Kernels import NKI from here only::
 * ``emulator``  -> always the nki-kernels emulator;
 * ``simulator`` -> the real package's CPU simulator (``nki.simulate``); fails if it is absent;
 * ``hardware``  -> the real package on a Neuron device; fails if it is absent.
+
+A value that cannot be used (a typo, or a real backend that is not installed) does not break
+``import nki_kernels``: the first op called raises :class:`BackendUnavailable` with the reason
+(``require()`` raises it up front; the CLI prints it as one line).
 """
 from __future__ import annotations
 
@@ -55,9 +59,21 @@ def _select():
     return "emulator", None
 
 
-BACKEND, _real = _select()
+try:
+    BACKEND, _real = _select()
+    _ERROR = None
+except BackendUnavailable as _e:
+    BACKEND, _real, _ERROR = "unavailable", None, _e
 
-if BACKEND == "emulator":
+
+def require():
+    """Raise :class:`BackendUnavailable` when the backend NKI_KERNELS_BACKEND asks for cannot run
+    here (the ops call this before anything else)."""
+    if _ERROR is not None:
+        raise BackendUnavailable(str(_ERROR))
+
+
+if BACKEND in ("emulator", "unavailable"):     # unavailable: importable, every op refuses
     from . import emulator as nki
     from .emulator import isa as nisa
     from .emulator import language as nl
@@ -69,6 +85,7 @@ else:
 
 def launch(kernel, *args, lnc: int = 1):
     """Run a jitted kernel on the selected backend with NumPy (or torch) arguments."""
+    require()
     k = kernel[lnc] if lnc != 1 else kernel
     if BACKEND == "simulator":
         return nki.simulate(k)(*args)

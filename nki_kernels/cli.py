@@ -1,7 +1,10 @@
 """The ``nki-kernels`` command line.
 
-    nki-kernels bench                       # FAST tier, all ops, Trn3, modeled on the emulator
+    nki-kernels bench                       # default tier (real model shapes, < 1 min), Trn3
+    nki-kernels bench --tier fast           # toy shapes: a smoke run of a few seconds
     nki-kernels bench --target trn2 --op matmul --tier models --json out.jsonl
+    nki-kernels bench --tier models --publish   # the published tables (bench/published)
+    nki-kernels bench --readme              # regenerate the README table from bench/published
     nki-kernels bench --list                # what would run (all tiers unless --tier)
     nki-kernels bench --measured            # on a trn2/trn3 instance: device time
     nki-kernels profile flash_attention --shape "llama-3-8b S=8192" --tier models
@@ -17,7 +20,11 @@ import sys
 from pathlib import Path
 
 TARGETS = ("trn3", "trn2")
-TIERS = ("fast", "odd", "models")
+TIERS = ("default", "fast", "odd", "models")
+TIER_HELP = ("shape tier from reference/shapes.py: default = a few real model shapes per op "
+             "(under a minute); fast = toy shapes (seconds); odd = edge sizes; models = every "
+             "model shape (about 30-40 minutes per target on one core of a laptop: the big "
+             "prefill GEMMs dominate). --list without --tier: all tiers")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,19 +36,36 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench", help="time the kernels and place them on the Trn2/Trn3 roofline",
         description="Run the registered bench cases (bench/defs) for one target and tier; write "
-                    "JSON lines, a markdown table and a roofline PNG under bench/results/.")
+                    "JSON lines, a markdown table and a roofline PNG under bench/results/local/ "
+                    "(ignored by git) or --out. Times are modeled (the emulator's cost model) "
+                    "unless --measured on a Neuron device.")
     b.add_argument("--target", choices=TARGETS, default="trn3",
                    help="roofline and cost-model target (default trn3)")
     b.add_argument("--op", action="append", metavar="NAME",
                    help="only this op (repeat or comma-separate for several; default all)")
     b.add_argument("--shape", metavar="TEXT",
                    help="only shapes whose name contains TEXT (e.g. '2048^3', 'llama-3-8b')")
-    b.add_argument("--tier", choices=TIERS, default=None,
-                   help="shape tier from reference/shapes.py (default fast; --list: all)")
+    b.add_argument("--tier", choices=TIERS, default=None, help=TIER_HELP)
     b.add_argument("--json", metavar="PATH", type=Path,
                    help="JSON-lines file to append to (default <out>/results.jsonl)")
     b.add_argument("--out", metavar="DIR", type=Path,
-                   help="directory for the markdown table and the plot (default bench/results)")
+                   help="directory for the JSON lines, the markdown table and the plot "
+                        "(default bench/results/local, ignored by git)")
+    chk = b.add_mutually_exclusive_group()
+    chk.add_argument("--check", dest="check", action="store_true", default=None,
+                     help="compare each case's output with the NumPy reference; a wrong output "
+                          "posts no number (default: on when CI is set, and with --publish)")
+    chk.add_argument("--no-check", dest="check", action="store_false",
+                     help="do not compare outputs with the reference")
+    b.add_argument("--publish", action="store_true",
+                   help="also merge the rows into the published table bench/published/"
+                        "<tier>_<target>.jsonl/.md/.png (needs committed code: a clean git sha; "
+                        "a run of some ops or shapes replaces only their rows)")
+    b.add_argument("--allow-dirty", action="store_true",
+                   help="--publish even when the code differs from git HEAD (sha marked +dirty)")
+    b.add_argument("--readme", action="store_true",
+                   help="regenerate the README performance table from bench/published/"
+                        "models_<target>.jsonl and exit (runs nothing)")
     mode = b.add_mutually_exclusive_group()
     mode.add_argument("--measured", action="store_true",
                       help="device time on a Neuron device; fails plainly when none is present")
@@ -67,6 +91,12 @@ def _ops(values):
 
 
 def main(argv=None) -> int:
+    from nki_kernels.backend import BackendUnavailable, require
+    try:
+        require()
+    except BackendUnavailable as e:
+        print(f"nki-kernels: {e}", file=sys.stderr)
+        return 2
     args = _parser().parse_args(argv)
     if args.command == "profile":
         return _profile(args)
@@ -95,9 +125,26 @@ def _bench(args) -> int:
 
     from nki_kernels.bench import defs, harness
     ops = _ops(args.op)
+    if args.readme:
+        try:
+            changed = harness.update_readme()
+        except harness.BenchError as e:
+            print(f"nki-kernels bench --readme: {e}", file=sys.stderr)
+            return 2
+        print(f"README.md performance table {'regenerated' if changed else 'unchanged'} from "
+              f"{harness.published_dir()}", file=sys.stderr)
+        return 0
     if args.list:
         return _list(ops, args.tier, args.target, args.shape)
-    tier = args.tier or "fast"
+    tier = args.tier or harness.DEFAULT_TIER
+    check = args.check
+    if check is None:
+        check = bool(os.environ.get("CI")) or args.publish
+    if args.publish and not check:
+        print("nki-kernels bench: --publish checks every output; drop --no-check",
+              file=sys.stderr)
+        return 2
+    json_path = args.json or (out_dir or harness.default_out_dir()) / "results.jsonl"
     run = harness.run
     if args.profile and not args.measured:
         run = _profiled_bench(harness, (out_dir or harness.default_out_dir()) / "profiles",
@@ -108,7 +155,8 @@ def _bench(args) -> int:
                            seed=args.seed, warmup=args.warmup, repeats=args.repeats,
                            profile_dir=(out_dir or harness.default_out_dir()) / "profiles"
                            if args.profile else None,
-                           progress=not args.quiet)
+                           progress=not args.quiet, check=check,
+                           on_row=lambda r: harness.write_jsonl([r], json_path))
     except (harness.BenchError, KeyError) as e:
         print(f"nki-kernels bench: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
@@ -122,7 +170,9 @@ def _bench(args) -> int:
         print(f"nki-kernels bench: no cases for ops={ops or 'all'} tier={tier}"
               + (f" shape~{args.shape!r}" if args.shape else ""), file=sys.stderr)
         return 2
-    paths = harness.write(rows, out_dir, json_path=args.json, tier=tier, plot=not args.no_plot)
+    subset = bool(ops or args.shape)
+    paths = harness.write(rows, out_dir, json_path=json_path, tier=tier, plot=not args.no_plot,
+                          subset=subset, append_json=False)
     if not args.quiet:
         print(harness.markdown_table(rows, tier=tier))
     if paths["plot"]:
@@ -130,6 +180,15 @@ def _bench(args) -> int:
     else:
         plot = "" if args.no_plot else " (no plot: pip install 'nki-kernels[bench]')"
     print(f"wrote {paths['json']} (appended), {paths['markdown']}{plot}", file=sys.stderr)
+    if args.publish:
+        try:
+            pub = harness.publish(rows, tier, args.target, allow_dirty=args.allow_dirty,
+                                  plot=not args.no_plot)
+        except harness.BenchError as e:
+            print(f"nki-kernels bench: {e}", file=sys.stderr)
+            return 2
+        print(f"published {pub['json']}, {pub['markdown']}"
+              + (f", {pub['plot']}" if pub["plot"] else ""), file=sys.stderr)
     unavailable = defs.load()
     if unavailable and not ops:
         for mod, err in sorted(unavailable.items()):

@@ -329,8 +329,118 @@ def test_cli_bench_run_writes_outputs(tmp_path, fake_cost, capsys):
     assert calls == [("trn2", 1)] * 3
     assert {r["target"] for r in rows} == {"trn2"} and all(math.isfinite(r["pct_roof"])
                                                            for r in rows)
-    assert (tmp_path / "bench_trn2.md").exists()
+    assert (tmp_path / "bench_trn2_fast_subset.md").exists()    # a subset: never the full table
+    assert not (tmp_path / "bench_trn2_fast.md").exists()
     assert not list(tmp_path.glob("*.png"))
+
+
+# --------------------------------------------------------------- outputs, publishing, README
+
+
+def test_default_outputs_are_ignored_by_git():
+    import subprocess
+    out = harness.default_out_dir()
+    assert out.parts[-3:] == ("bench", "results", "local")
+    probe = out / "results.jsonl"
+    r = subprocess.run(["git", "-C", str(harness.repo_root()), "check-ignore", "-q", str(probe)])
+    if r.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert r.returncode == 0, f"{probe} is not ignored by git"
+
+
+def test_default_tier_is_real_model_shapes_covering_every_op():
+    for fam in shapes.FAMILIES:
+        assert set(shapes.DEFAULT.of(fam)) <= set(shapes.MODELS.of(fam)), fam
+    ops = defs.registered()
+    for op in ("matmul", "qkv_proj", "swiglu_mlp", "rmsnorm_quant", "flash_attention",
+               "mxfp8_matmul"):
+        assert op in ops and defs.cases(op, "default", "trn3"), op
+    dtypes = {c.dtype for c in defs.cases("swiglu_mlp", "default", "trn3")}
+    assert dtypes == {"bf16", "fp8"}                     # both kernel variants
+    assert harness.DEFAULT_TIER == "default"
+
+
+def _row(op="matmul", shape="s", dtype="bf16", target="trn3", pct=50.0, goal=None, **kw):
+    r = {"op": op, "shape": shape, "dims": {"M": 1}, "dtype": dtype, "target": target, "lnc": 1,
+         "source": "modeled", "time_us": 10.0, "tflops": 1.0, "gbps": 100.0, "pct_roof": pct,
+         "roof": "HBM", "model_bound": "DMA", "pct_tensor": 1.0, "pct_hbm": pct, "ai": 1.0,
+         "flops": 1.0, "bytes": 1.0, "roof_kind": "bf16", "goal": goal, "git_sha": "abc",
+         "date": "2026-11-24T00:00:00+00:00", "check": "passed"}
+    r.update(kw)
+    return r
+
+
+def test_publish_merges_refuses_dirty_and_unchecked(tmp_path):
+    cases = defs.cases("matmul", "fast", "trn3")
+    a, b = cases[0], cases[1]
+    r1 = _row(shape=a.shape, dtype=a.dtype, time_us=1.0)
+    r2 = _row(shape=b.shape, dtype=b.dtype, time_us=2.0)
+    harness.publish([r1, r2], "fast", "trn3", tmp_path, plot=False)
+    new = _row(shape=a.shape, dtype=a.dtype, time_us=3.0)
+    stale = _row(shape="no longer in the tier", time_us=4.0)
+    harness.publish([new, stale], "fast", "trn3", tmp_path, plot=False)   # a subset run
+    got = {(r["shape"], r["dtype"]): r["time_us"] for r in
+           harness.read_jsonl(tmp_path / "fast_trn3.jsonl")}
+    assert got == {(a.shape, a.dtype): 3.0, (b.shape, b.dtype): 2.0}       # merged, not replaced
+    assert "| 3.00 |" in (tmp_path / "fast_trn3.md").read_text()
+    with pytest.raises(harness.BenchError, match="the code differs from git HEAD"):
+        harness.publish([_row(git_sha="abc+dirty")], "fast", "trn3", tmp_path, plot=False)
+    with pytest.raises(harness.BenchError, match="was not checked against the reference"):
+        harness.publish([_row(check="none")], "fast", "trn3", tmp_path, plot=False)
+    with pytest.raises(harness.BenchError, match="failed: boom"):
+        harness.publish([_row(error="boom")], "fast", "trn3", tmp_path, plot=False)
+
+
+def test_readme_table_marks_misses_and_cases_not_run(tmp_path):
+    cases = defs.cases("qkv_proj", "models", "trn3")
+    met = _row("qkv_proj", cases[0].shape, "bf16", pct=85.0, goal=80.0)
+    miss = _row("qkv_proj", cases[1].shape, "bf16", pct=66.3, goal=80.0)
+    (tmp_path / "models_trn3.jsonl").write_text(json.dumps(met) + "\n" + json.dumps(miss) + "\n")
+    table = harness.readme_table(tmp_path)
+    lines = table.splitlines()
+    row_met = next(ln for ln in lines if f"| {cases[0].shape} |" in ln)
+    row_miss = next(ln for ln in lines if f"| {cases[1].shape} |" in ln)
+    assert "≥ 80: trn3 ✓" in row_met and "| 85.0 |" in row_met
+    assert "trn3 ✗ **miss**" in row_miss and "| 66.3 |" in row_miss
+    assert row_met.split(" | ")[3] == "not run"           # trn2: defined, no published row
+    mx = next(ln for ln in lines if ln.startswith("| mxfp8_matmul |"))
+    assert "| n/a |" in mx                                # no MX matmul on trn2
+    assert "1 of 2 rows" not in table and "every case's output checked" in table
+
+
+def test_bench_check_keeps_a_wrong_kernel_from_posting_a_number(fake_cost, table_numbers):
+    from dataclasses import replace
+    case = _tiny_matmul_case()
+    good = harness.run(cases=[case], target="trn3", progress=False, check=True)[0]
+    assert good.get("error") is None and good["check"] == "passed"
+
+    def wrong(a, b):                                     # fast and wrong: 1% off
+        out = case.run(a, b)
+        return (out.astype(np.float32) * 1.01).astype(out.dtype)
+
+    bad = harness.run(cases=[replace(case, run=wrong)], target="trn3", progress=False,
+                      check=True)[0]
+    assert bad["time_us"] is None and bad["pct_roof"] is None
+    assert bad["error"].startswith("WrongResult: output differs from the reference")
+
+
+def test_cli_bogus_backend_is_one_line():
+    import os
+    import subprocess
+    env = dict(os.environ, NKI_KERNELS_BACKEND="bogus")
+    r = subprocess.run([sys.executable, "-m", "nki_kernels.cli", "bench", "--list"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "nki-kernels: NKI_KERNELS_BACKEND must be one of emulator, simulator, hardware; got 'bogus'"]
+    code = ("import numpy as np, nki_kernels\n"
+            "nki_kernels.matmul(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (
+        "nki_kernels.backend.BackendUnavailable: NKI_KERNELS_BACKEND must be one of emulator, "
+        "simulator, hardware; got 'bogus'")
 
 
 def test_device_raw_views_ml_dtypes_as_uints():

@@ -355,8 +355,31 @@ def test_rejects_bad_shapes_and_dtypes(rng):
 def test_rejects_trn1(rng):
     q, k, v = _small(rng)
     with target("trn1"):
-        with pytest.raises(ValueError, match="needs Trn2 or Trn3"):
+        with pytest.raises(ValueError, match="flash_attention: target trn1 is not supported; "
+                                             "supported targets: trn2, trn3"):
             flash_attention(q, k, v)
+
+
+@pytest.mark.parametrize("kw,name", [(dict(causal="no"), "causal"), (dict(causal=1), "causal"),
+                                     (dict(return_lse="yes"), "return_lse")])
+def test_flags_take_booleans_only(rng, kw, name):
+    q, k, v = _small(rng)
+    with pytest.raises(TypeError, match=f"flash_attention: {name} must be True or False; got"):
+        flash_attention(q, k, v, **kw)
+
+
+def test_sinks_accept_any_array_like_and_name_what_they_got(rng):
+    q, k, v = _small(rng)
+    Hq = q.shape[1]
+    sinks = [0.5] * Hq
+    o_list = flash_attention(q, k, v, sinks=sinks)
+    o_arr = flash_attention(q, k, v, sinks=np.asarray(sinks, np.float32))
+    assert np.array_equal(o_list.view(np.uint16), o_arr.view(np.uint16))
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H_q,\) = .* got shape \(3,\): "
+                                         r"\[1.0, 2.0, 3.0\]"):
+        flash_attention(q, k, v, sinks=[1.0, 2.0, 3.0])
+    with pytest.raises(TypeError, match=r"sinks must be an array-like of numbers .*; got 'abc'"):
+        flash_attention(q, k, v, sinks="abc")
 
 
 def test_plan_rejects_bad_lags():

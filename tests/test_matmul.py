@@ -119,10 +119,31 @@ def test_rejects_bad_out_dtype(rng):
         matmul(a, b, out_dtype="int8")
 
 
-def test_rejects_fp8_on_trn1(rng):
-    a, b = _inputs(rng, 8, 64, 32, ml_dtypes.float8_e4m3)
-    with target("trn1"), pytest.raises(ValueError, match="FP8 inputs need Trn2 or Trn3"):
+@pytest.mark.parametrize("dt", [ml_dtypes.float8_e4m3, ml_dtypes.bfloat16, np.float32],
+                         ids=["fp8", "bf16", "fp32"])
+def test_rejects_trn1_up_front(rng, dt):
+    """Every dtype is refused on Trn1 before any kernel runs (bf16 crashed inside the kernel,
+    fp32 ran silently)."""
+    a, b = _inputs(rng, 8, 64, 32, dt)
+    with target("trn1"), pytest.raises(ValueError, match="matmul: target trn1 is not supported; "
+                                                         "supported targets: trn2, trn3"):
         matmul(a, b)
+
+
+def test_requires_grad_warns_once():
+    """Inference-only: a tensor that requires grad is read detached, with one warning per op."""
+    torch = pytest.importorskip("torch")
+    from nki_kernels import _validate
+    _validate._GRAD_WARNED.discard("matmul")
+    a = torch.ones((8, 128), dtype=torch.float32, requires_grad=True)
+    b = torch.ones((128, 16), dtype=torch.float32)
+    with pytest.warns(UserWarning, match="matmul: nki-kernels ops are inference-only"):
+        c = matmul(a, b)
+    assert np.asarray(c).shape == (8, 16)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        matmul(a, b)                                  # once: no second warning
 
 
 def test_rejects_e4m3fn_on_trn2(rng):

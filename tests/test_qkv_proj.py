@@ -188,9 +188,9 @@ def test_noncontiguous_inputs(rng):
 # ---------------------------------------------------------------------------- plan
 @pytest.mark.parametrize("tname", ["trn2", "trn3"])
 def test_plan_regimes(tname):
-    from nki_kernels.dense.qkv_proj import _sbuf_budget
+    from nki_kernels._limits import sbuf_budget
     with target(tname):
-        budget = _sbuf_budget()
+        budget = sbuf_budget()
     dec = plan_qkv(32, 4096, 32, 8, 128, budget)
     pre = plan_qkv(2048, 4096, 32, 8, 128, budget)
     narrow = plan_qkv(2048, 8192, 8, 1, 128, budget)      # Llama-3-70B TP8: N = 1280
@@ -215,7 +215,10 @@ def _small(rng):
     (dict(bias=np.zeros(7, np.float32)), ValueError, r"bias must be a vector of length 512"),
     (dict(norm_weight=np.zeros(9, np.float32)), ValueError,
      r"norm_weight must be a vector of length 256"),
-    (dict(eps=0.0), ValueError, r"eps must be a positive float"),
+    (dict(eps=0.0), ValueError, r"qkv_proj: eps must be a finite float > 0; got 0.0"),
+    (dict(eps=True), ValueError, r"eps must be a finite float > 0; got True"),
+    (dict(qk_norm_eps=0.0, q_norm_weight=np.ones(64, np.float32),
+          k_norm_weight=np.ones(64, np.float32)), ValueError, r"qk_norm_eps must be a finite"),
     (dict(q_norm_weight=np.ones(64, np.float32)), ValueError,
      r"q_norm_weight and k_norm_weight must be given together"),
     (dict(rope_layout="neox"), ValueError, r"rope_layout must be 'half' or 'interleaved'"),
@@ -238,6 +241,13 @@ def test_rejects(rng, change, err, msg):
     x, w, kw = _small(rng)
     kw.update(change)
     with pytest.raises(err, match=msg):
+        qkv_proj(x, w, **kw)
+
+
+def test_rejects_trn1_up_front(rng):
+    x, w, kw = _small(rng)
+    with target("trn1"), pytest.raises(ValueError, match=r"qkv_proj: target trn1 is not "
+                                                         r"supported; supported targets: trn2"):
         qkv_proj(x, w, **kw)
 
 

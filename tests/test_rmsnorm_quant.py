@@ -330,7 +330,8 @@ def test_refuses_odd_tier_shapes(shape):
     (dict(gamma=np.ones(128, np.float16)), TypeError, "gamma must be bfloat16 or float32"),
     (dict(residual=np.zeros((3, 128), BF16)), ValueError, "residual must have x's shape"),
     (dict(residual=np.zeros((4, 128), np.float32)), TypeError, "residual must be bfloat16"),
-    (dict(eps=-1.0), ValueError, "eps must be a non-negative float"),
+    (dict(eps=-1.0), ValueError, "rmsnorm_quant: eps must be a finite float > 0; got -1.0"),
+    (dict(eps=0), ValueError, "rmsnorm_quant: eps must be a finite float > 0; got 0"),
     (dict(quant="int8"), ValueError, "quant must be 'fp8' or 'mx'; got 'int8'"),
     (dict(fp8_dtype="float8_e3m4"), ValueError, "fp8_dtype must be one of"),
     (dict(static_scale=0.0), ValueError, "static_scale must be a positive finite float"),
@@ -349,6 +350,14 @@ def test_refusals(kwargs, exc, msg):
     gamma = kwargs.pop("gamma", np.ones(x.shape[-1], BF16))
     with target("trn3"), pytest.raises(exc, match=msg):
         rmsnorm_quant(x, gamma, **kwargs)
+
+
+def test_refuses_trn1_up_front():
+    """Trn1 ran silently before; now one clear error before any kernel."""
+    x = np.zeros((4, 128), BF16)
+    with target("trn1"), pytest.raises(ValueError, match="rmsnorm_quant: target trn1 is not "
+                                                         "supported; supported targets: trn2"):
+        rmsnorm_quant(x, np.ones(128, BF16))
 
 
 @pytest.mark.torch

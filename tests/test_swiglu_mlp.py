@@ -181,9 +181,9 @@ def test_noncontiguous_weights(rng):
 # ---------------------------------------------------------------------------- plan
 @pytest.mark.parametrize("tname", ["trn2", "trn3"])
 def test_plan_regimes(tname):
-    from nki_kernels.dense.qkv_proj import _sbuf_budget
+    from nki_kernels._limits import sbuf_budget
     with target(tname):
-        budget = _sbuf_budget()
+        budget = sbuf_budget()
     dec = plan_mlp(32, 4096, 14336, 2, False, budget)
     pre = plan_mlp(2048, 4096, 14336, 2, False, budget)
     assert dec.combined and dec.nf_gu == 32          # gate and up in one pass, 8 KiB rows
@@ -275,8 +275,13 @@ def test_rejects_shapes_and_dtypes(rng):
         swiglu_mlp(x, g, u, d, residual=x[:2])
     with pytest.raises(ValueError, match=r"norm_weight must be a vector of length 256"):
         swiglu_mlp(x, g, u, d, norm_weight=np.ones(3, np.float32))
-    with pytest.raises(ValueError, match=r"eps must be a positive float"):
+    with pytest.raises(ValueError, match=r"swiglu_mlp: eps must be a finite float > 0; got -1.0"):
         swiglu_mlp(x, g, u, d, eps=-1.0)
+    with pytest.raises(ValueError, match=r"swiglu_mlp: eps must be a finite float > 0; got 0"):
+        swiglu_mlp(x, g, u, d, eps=0)
+    with target("trn1"), pytest.raises(ValueError, match=r"swiglu_mlp: target trn1 is not "
+                                                         r"supported; supported targets: trn2"):
+        swiglu_mlp(x, g, u, d)
     with pytest.raises(ValueError, match=r"scale/up_scale/down_scale are only for FP8 weights"):
         swiglu_mlp(x, g, u, d, gate_scale=np.ones(128, np.float32))
 
@@ -292,7 +297,7 @@ def test_rejects_fp8_misuse(rng):
     x2, ws2, kw2 = _fp8(rng, 4, 256, 256, E4M3FN)
     with target("trn2"), pytest.raises(ValueError, match=r"float8_e4m3fn weights need Trn3"):
         swiglu_mlp(x2, *ws2, **kw2)
-    with target("trn1"), pytest.raises(ValueError, match=r"FP8 weights need Trn2 or Trn3"):
+    with target("trn1"), pytest.raises(ValueError, match=r"target trn1 is not supported"):
         swiglu_mlp(x, *ws, **kw)
     x3, ws3, kw3 = _fp8(rng, 4, 200, 256)
     with pytest.raises(ValueError, match=r"FP8 weights need hidden and intermediate sizes that "

@@ -28,7 +28,7 @@ from typing import Any
 
 from nki_kernels.bench.roofline import KINDS, EngineCeiling
 
-__all__ = ["BenchCase", "EngineCeiling", "register", "registered", "cases", "load"]
+__all__ = ["BenchCase", "EngineCeiling", "register", "registered", "cases", "load", "check_rows"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,6 +46,11 @@ class BenchCase:
     roof_kind   TensorE peak that applies: "bf16" | "fp8" | "mx" | "fp32"
     lnc         NeuronCores the op runs on (1 or 2): roofs are multiplied by it
     ceilings    EngineCeiling entries for non-TensorE limits (exp throughput, ...)
+    goal        {target: % of roof} the op's goal for this case on each target ({} = none set);
+                the README table marks each row met or missed against it
+    check       (inputs, output) -> None: compares the op's output with the NumPy reference and
+                raises AssertionError when they differ (``nki-kernels bench --check``); None =
+                the definition has no check
     """
 
     op: str
@@ -59,6 +64,8 @@ class BenchCase:
     roof_kind: str = "bf16"
     lnc: int = 1
     ceilings: tuple[EngineCeiling, ...] = ()
+    goal: Mapping[str, float] | None = None
+    check: Callable[[tuple, Any], None] | None = None
 
     def __post_init__(self):
         if self.roof_kind not in KINDS:
@@ -69,9 +76,23 @@ class BenchCase:
         if self.flops < 0 or self.bytes < 0:
             raise ValueError(f"{self.op} {self.shape}: flops and bytes must be >= 0")
 
+    def goal_for(self, target: str) -> float | None:
+        """The goal (% of roof) on ``target``, None when none is set."""
+        return (self.goal or {}).get(target)
+
     @property
     def dims_str(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.dims.items())
+
+
+def check_rows(n: int, keep: int = 256):
+    """Row indices a bench check compares: all of ``n`` rows up to ``2 * keep``, else the first and
+    the last ``keep`` (each row of these ops is computed independently, so the first and last
+    row blocks exercise the first and last tiles of every loop at a fraction of the cost)."""
+    import numpy as np
+    if n <= 2 * keep:
+        return np.arange(n)
+    return np.concatenate([np.arange(keep), np.arange(n - keep, n)])
 
 
 CasesFn = Callable[[str, str], Iterable[BenchCase]]

@@ -5,18 +5,23 @@ TP8 from decode (T = 1, 8, 32) to prefill (T = 2048 and up)). Each case runs the
 stack calls it: RMSNorm in front, RoPE from positions (theta of Llama 3), q / k / v out. FLOPs
 and bytes come from ``reference.qkv_proj`` (the GEMM; compulsory traffic: x, the weights once,
 q / k / v once).
+
+Goal: at least 80% of the binding roof (TensorE at prefill, HBM at decode) on both targets, for
+every shape.
 """
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 
-from nki_kernels.bench.defs import BenchCase, register
+from nki_kernels.bench.defs import BenchCase, check_rows, register
 from nki_kernels.dense.qkv_proj import qkv_proj
 from nki_kernels.reference import shapes
-from nki_kernels.reference.qkv_proj import bytes_qkv_proj, flops_qkv_proj
+from nki_kernels.reference.compare import assert_rows_close
+from nki_kernels.reference.qkv_proj import bytes_qkv_proj, flops_qkv_proj, qkv_proj_ref
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+GOAL = {"trn2": 80.0, "trn3": 80.0}
 
 
 def qkv_case(s: shapes.QKVShape) -> BenchCase:
@@ -34,11 +39,19 @@ def qkv_case(s: shapes.QKVShape) -> BenchCase:
         return qkv_proj(x, w, n_q_heads=nq, n_kv_heads=nkv, head_dim=d, norm_weight=g,
                         positions=pos, rope_theta=500000.0)
 
+    def check(inputs, out):
+        x, w, g, pos = inputs
+        rows = check_rows(T)
+        q, k, v, _ = qkv_proj_ref(x[rows], w, n_q_heads=nq, n_kv_heads=nkv, head_dim=d,
+                                  norm_weight=g, positions=pos[rows], rope_theta=500000.0)
+        for name, a, e in (("q", out.q, q), ("k", out.k, k), ("v", out.v, v)):
+            assert_rows_close(a[:, rows], e, what=f"qkv_proj {s.name} {name}")
+
     return BenchCase(
         op="qkv_proj", shape=s.name, dims={"T": T, "H": H, "Hq": nq, "Hkv": nkv, "d": d},
         dtype="bf16", make_inputs=make_inputs, run=run,
         flops=flops_qkv_proj(T, H, nq, nkv, d), bytes=bytes_qkv_proj(T, H, nq, nkv, d),
-        roof_kind="bf16")
+        roof_kind="bf16", check=check, goal=GOAL)
 
 
 @register("qkv_proj")

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._limits import P, sbuf_budget
+from .._validate import array_like, check_flag, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
-from .._validate import is_torch as _is_torch
 from ..backend import launch, nisa, nki, nl
 from .masks import MaskSpec, mask_range_select, row_bounds
 from .schedule import assign_programs, gqa_heads, kv_chunks, prefill_units
 from .softmax import SoftmaxState
 
-P = 128
 HEAD_DIMS = (64, 128, 192, 256)
 QB = 8             # q-tiles per Q^T DMA transpose and per output DMA (1024 rows)
 Q_PREFETCH = 2     # Q^T batches loaded ahead of use (DMA queues are shared with P^T transposes)
@@ -746,6 +746,8 @@ _DTYPES = ("bfloat16", "float16")
 
 def _check_inputs(q, k, v, causal, scale, window, softcap, sinks, k_layout, lnc):
     """Validate at the boundary; every message names the argument, what it got and what works."""
+    check_flag("flash_attention", "causal", causal)
+    check_no_grad("flash_attention", q, k, v, sinks)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if getattr(t, "ndim", None) != 4:
             raise ValueError(f"flash_attention: {name} must be 4-D; got shape "
@@ -799,9 +801,10 @@ def _check_inputs(q, k, v, causal, scale, window, softcap, sinks, k_layout, lnc)
         raise ValueError(f"flash_attention: softcap must be None or a finite number > 0; got "
                          f"{softcap!r}")
     if sinks is not None:
-        shp = tuple(getattr(sinks, "shape", ()))
+        shp = tuple(array_like("flash_attention", "sinks", sinks).shape)
         if shp != (Hq,):
-            raise ValueError(f"flash_attention: sinks must have shape (H_q,) = ({Hq},); got {shp}")
+            raise ValueError(f"flash_attention: sinks must have shape (H_q,) = ({Hq},); got "
+                             f"shape {shp}: {sinks!r}"[:300])
     if lnc not in (1, 2):
         raise ValueError(f"flash_attention: lnc must be 1 or 2; got {lnc!r}")
     return B, Hq, Sq, d, Hkv, Skv, dn
@@ -828,21 +831,18 @@ def flash_attention(q, k, v, *, causal=True, scale=None, window=None, softcap=No
     Returns:
       o [B, H_q, S_q, d] in q's dtype (and lse).
     """
+    gen = check_target("flash_attention")          # Trn2+: range_select
+    check_flag("flash_attention", "return_lse", return_lse)
     B, Hq, Sq, d, Hkv, Skv, dn = _check_inputs(q, k, v, causal, scale, window, softcap, sinks,
                                                k_layout, lnc)
-    gen = int(nisa.get_nc_version())
-    if gen < 3:
-        raise ValueError(f"flash_attention: needs Trn2 or Trn3 (range_select); target is gen{gen}")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     plan = plan_flash_attention(gen, d, Skv, causal=causal, window=window, softcap=softcap,
                                 scale=scale, has_sinks=sinks is not None, return_lse=return_lse,
                                 k_layout=k_layout, out_dtype=getattr(nl, dn),
-                                sbuf_budget=int(nl.tile_size.sbuf_fmax_bytes * 0.9))
+                                sbuf_budget=sbuf_budget())
     sk = None
     if sinks is not None:
-        if _is_torch(sinks):
-            sinks = sinks.detach().float().cpu().numpy()
-        sk = np.ascontiguousarray(np.asarray(sinks, dtype=np.float32))
+        sk = np.ascontiguousarray(array_like("flash_attention", "sinks", sinks))
     res = launch(flash_attention_kernel, q, k, v, sk, plan, lnc=lnc)
     return tuple(res) if return_lse else res

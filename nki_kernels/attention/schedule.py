@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._limits import P
 from .masks import MaskSpec, TileKind, classify
-
-P = 128
 
 
 @dataclass(frozen=True)

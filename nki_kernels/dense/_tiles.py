@@ -19,9 +19,9 @@ NKI tensors and are called from inside ``@nki.jit`` kernels.
 """
 from __future__ import annotations
 
+from .._limits import P
 from ..backend import nisa, nl
 
-P = 128                 # partitions; contraction and feature tile
 TB_MAX = 512            # tokens per block: one 2 KiB fp32 PSUM bank per accumulator tile
 PSUM_BYTES = 16 * 1024  # per partition (8 banks x 2 KiB)
 T_GROUP = 8             # transposes evicted together (one bf16 PSUM bank of [128, 8, 128])
@@ -174,15 +174,7 @@ def x_rows_normalised(x, t0, tb, residual=None, h_out=None, norm=False, eps=1e-6
     subs = []
     for s0 in range(0, tb, P):
         ts = min(P, tb - s0)
-        r0 = t0 + s0
-        x_sb = nl.ndarray((ts, H), dtype=x.dtype, buffer=nl.sbuf)           # [ts, H]
-        nisa.dma_copy(dst=x_sb, src=x[r0:r0 + ts, :])
-        if residual is not None:
-            r_sb = nl.ndarray((ts, H), dtype=residual.dtype, buffer=nl.sbuf)  # [ts, H]
-            nisa.dma_copy(dst=r_sb, src=residual[r0:r0 + ts, :])
-            nisa.tensor_tensor(dst=x_sb, data1=x_sb, data2=r_sb, op=nl.add)
-            del r_sb
-            nisa.dma_copy(dst=h_out[r0:r0 + ts, :], src=x_sb)
+        x_sb = _rows_plus_residual(x, t0 + s0, ts, residual, h_out)          # [ts, H]
         if norm:
             rstd = _rstd(x_sb, ts, H, eps)
             nisa.tensor_scalar(dst=x_sb, data=x_sb, op0=nl.multiply, operand0=rstd)
@@ -194,6 +186,16 @@ def x_rows_stats(x, r0, ts, residual=None, h_out=None, norm=False, eps=1e-6):
     """Rows ``x[r0:r0+ts]`` (+ residual, written to ``h_out``) -> rstd column ``[ts, 1]`` fp32
     (None without norm). The rows themselves are not kept."""
     H = x.shape[1]
+    x_sb = _rows_plus_residual(x, r0, ts, residual, h_out)                  # [ts, H]
+    if not norm:
+        return None
+    return _rstd(x_sb, ts, H, eps)
+
+
+def _rows_plus_residual(x, r0, ts, residual=None, h_out=None):
+    """Rows ``x[r0:r0+ts]`` -> SBUF ``[ts, H]``; with a residual, ``x + residual`` (bf16), also
+    written to ``h_out`` (the updated residual)."""
+    H = x.shape[1]
     x_sb = nl.ndarray((ts, H), dtype=x.dtype, buffer=nl.sbuf)               # [ts, H]
     nisa.dma_copy(dst=x_sb, src=x[r0:r0 + ts, :])
     if residual is not None:
@@ -202,9 +204,7 @@ def x_rows_stats(x, r0, ts, residual=None, h_out=None, norm=False, eps=1e-6):
         nisa.tensor_tensor(dst=x_sb, data1=x_sb, data2=r_sb, op=nl.add)
         del r_sb
         nisa.dma_copy(dst=h_out[r0:r0 + ts, :], src=x_sb)
-    if not norm:
-        return None
-    return _rstd(x_sb, ts, H, eps)
+    return x_sb
 
 
 def _rstd(x_sb, ts, H, eps):

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._limits import P, sbuf_budget
+from .._validate import check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from .._validate import is_torch as _is_torch
 from ..backend import launch, nisa, nki, nl
 
-P = 128            # partitions, contraction tile
 TN = 512           # moving free size per matmul (one 2 KiB fp32 PSUM bank)
 A_CHUNK = 2048     # A columns loaded per DMA in prefill (4 KiB per partition in bf16)
 DECODE_M_MAX = 64  # M <= 64: weight-stationary orientation (see MatmulPlan.decode)
@@ -320,6 +321,8 @@ def matmul(a, b, *, out_dtype=None, lnc: int = 1):
     Returns:
       [M, N] array of ``out_dtype``.
     """
+    gen = check_target("matmul")
+    check_no_grad("matmul", a, b)
     if getattr(a, "ndim", None) != 2 or getattr(b, "ndim", None) != 2:
         raise ValueError(f"matmul: a and b must be 2-D; got a.shape={getattr(a, 'shape', None)}, "
                          f"b.shape={getattr(b, 'shape', None)}")
@@ -336,10 +339,7 @@ def matmul(a, b, *, out_dtype=None, lnc: int = 1):
         raise TypeError(f"matmul: b.dtype must equal a.dtype ({an}); got {bn}")
     if lnc not in (1, 2):
         raise ValueError(f"matmul: lnc must be 1 or 2; got {lnc}")
-    gen = int(nisa.get_nc_version())
     double_row = an in _FP8
-    if double_row and gen < 3:
-        raise ValueError(f"matmul: FP8 inputs need Trn2 or Trn3 (double_row); target is gen{gen}")
     if an == "float8_e4m3fn" and gen < 4:
         raise ValueError("matmul: float8_e4m3fn inputs need Trn3; on Trn2 use float8_e4m3")
     if out_dtype is None:
@@ -348,11 +348,7 @@ def matmul(a, b, *, out_dtype=None, lnc: int = 1):
         raise ValueError(f"matmul: out_dtype must be 'bfloat16' or 'float32'; got {out_dtype!r}")
     in_bytes = np.dtype(a.dtype).itemsize if not _is_torch(a) else a.element_size()
     out_nl = getattr(nl, out_dtype)
-    budget = _sbuf_budget()
+    budget = sbuf_budget()
     plan = plan_matmul(M, K, N, in_bytes, _ITEMSIZE[out_dtype], double_row, budget)
     return launch(matmul_kernel, a, b, out_nl, plan.nb, plan.decode, plan.double_row, lnc=lnc)
 
-
-def _sbuf_budget():
-    """Usable SBUF bytes per partition with a 10% margin for the compiler's own buffers."""
-    return int(nl.tile_size.sbuf_fmax_bytes * 0.9)

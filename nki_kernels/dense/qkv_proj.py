@@ -20,7 +20,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._validate import check_2d, check_dtype, float_vector
+from .._limits import sbuf_budget
+from .._validate import (
+    check_2d,
+    check_dtype,
+    check_eps,
+    check_no_grad,
+    check_target,
+    float_vector,
+)
 from ..backend import launch, nisa, nki, nl
 from . import _tiles as D
 from ._tiles import P, cdiv
@@ -728,6 +736,9 @@ def qkv_proj(x, w_qkv, *, n_q_heads, n_kv_heads, head_dim, bias=None, residual=N
       [n_kv, d, T] when transposed); residual is x + residual, or None.
     """
     name = "qkv_proj"
+    check_target(name)
+    check_no_grad(name, x, w_qkv, bias, residual, norm_weight, q_norm_weight, k_norm_weight,
+                  cos, sin)
     T, H = check_2d(name, "x", x)
     check_dtype(name, "x", x, ("bfloat16",))
     for a, v in (("n_q_heads", n_q_heads), ("n_kv_heads", n_kv_heads)):
@@ -753,16 +764,14 @@ def qkv_proj(x, w_qkv, *, n_q_heads, n_kv_heads, head_dim, bias=None, residual=N
         check_dtype(name, "residual", residual, ("bfloat16",))
     if norm_weight is not None:
         norm_weight = float_vector(name, "norm_weight", norm_weight, H)
-    if not (isinstance(eps, (int, float)) and eps > 0):
-        raise ValueError(f"{name}: eps must be a positive float; got {eps!r}")
+    check_eps(name, eps)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError(f"{name}: q_norm_weight and k_norm_weight must be given together")
     if q_norm_weight is not None:
         q_norm_weight = float_vector(name, "q_norm_weight", q_norm_weight, head_dim)
         k_norm_weight = float_vector(name, "k_norm_weight", k_norm_weight, head_dim)
     qk_eps = eps if qk_norm_eps is None else qk_norm_eps
-    if not (isinstance(qk_eps, (int, float)) and qk_eps > 0):
-        raise ValueError(f"{name}: qk_norm_eps must be a positive float; got {qk_eps!r}")
+    check_eps(name, qk_eps, "qk_norm_eps")
     if rope_layout not in ("half", "interleaved"):
         raise ValueError(f"{name}: rope_layout must be 'half' or 'interleaved'; got "
                          f"{rope_layout!r}")
@@ -793,15 +802,10 @@ def qkv_proj(x, w_qkv, *, n_q_heads, n_kv_heads, head_dim, bias=None, residual=N
                                  f"got {list(t.shape)}")
     else:
         rot = 0
-    plan = plan_qkv(T, H, n_q_heads, n_kv_heads, head_dim, _sbuf_budget())
+    plan = plan_qkv(T, H, n_q_heads, n_kv_heads, head_dim, sbuf_budget())
     res = launch(qkv_proj_kernel, x, w_qkv, bias, residual, norm_weight, q_norm_weight,
                  k_norm_weight, cos, sin, n_q_heads, n_kv_heads, head_dim, float(eps),
                  float(qk_eps), rot, rope_layout == "interleaved", k_layout == "transposed",
                  plan.tb_max, plan.nf_max, plan.kb, plan.kc, plan.ts_max)
     q, k, v = res[0], res[1], res[2]
     return QKVOutput(q, k, v, res[3] if residual is not None else None)
-
-
-def _sbuf_budget():
-    """Usable SBUF bytes per partition with a 10% margin for the compiler's own buffers."""
-    return int(nl.tile_size.sbuf_fmax_bytes * 0.9)

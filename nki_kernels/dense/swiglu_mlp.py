@@ -14,12 +14,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._validate import check_2d, check_dtype, float_vector
+from .._limits import sbuf_budget
+from .._validate import (
+    check_2d,
+    check_dtype,
+    check_eps,
+    check_no_grad,
+    check_target,
+    float_vector,
+)
 from .._validate import dtype_name as _dtype_name
 from ..backend import launch, nisa, nki, nl
 from . import _tiles as D
 from ._tiles import P, cdiv, tile_weight
-from .qkv_proj import _sbuf_budget
 
 NCOLS_MAX = 4096        # weight columns per pass: 8 KiB bf16 rows per k-tile in SBUF
 _FP8 = ("float8_e4m3", "float8_e4m3fn")
@@ -472,6 +479,11 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
                gate_scale=None, up_scale=None, down_scale=None):
     """SwiGLU MLP ``residual + (silu(xn @ w_gate) * (xn @ w_up)) @ w_down`` on a NeuronCore.
 
+    With FP8 weights the op is W8A8: besides the weights (per output channel), it quantizes the
+    activations to the weights' FP8 dtype per token (the normalised ``xn`` before the gate / up
+    GEMMs, and the SwiGLU product ``h`` before the down GEMM), with fp32 accumulation and the
+    scales applied on eviction. bf16 weights keep the activations in bf16.
+
     Args:
       x: [T, H] bfloat16 (NumPy / ml_dtypes or CPU torch).
       w_gate, w_up: [H, I]; w_down: [I, H]. All bfloat16, or all FP8 (float8_e4m3; on Trn3
@@ -485,6 +497,9 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
       y [T, H] bfloat16.
     """
     name = "swiglu_mlp"
+    gen = check_target(name)
+    check_no_grad(name, x, w_gate, w_up, w_down, norm_weight, residual, gate_scale, up_scale,
+                  down_scale)
     T, H = check_2d(name, "x", x)
     check_dtype(name, "x", x, ("bfloat16",))
     tiled = len(getattr(w_gate, "shape", ())) == 4
@@ -509,10 +524,6 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
     fp8 = wdt in _FP8
     sc = (gate_scale, up_scale, down_scale)
     if fp8:
-        gen = int(nisa.get_nc_version())
-        if gen < 3:
-            raise ValueError(f"{name}: FP8 weights need Trn2 or Trn3 (double_row); target is "
-                             f"gen{gen}")
         if wdt == "float8_e4m3fn" and gen < 4:
             raise ValueError(f"{name}: float8_e4m3fn weights need Trn3; on Trn2 use "
                              f"float8_e4m3")
@@ -530,15 +541,14 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
                          f"(weights are {wdt})")
     if norm_weight is not None:
         norm_weight = float_vector(name, "norm_weight", norm_weight, H)
-    if not (isinstance(eps, (int, float)) and eps > 0):
-        raise ValueError(f"{name}: eps must be a positive float; got {eps!r}")
+    check_eps(name, eps)
     if residual is not None:
         if tuple(residual.shape) != (T, H):
             raise ValueError(f"{name}: residual must have the shape of x {[T, H]}; got "
                              f"{list(residual.shape)}")
         check_dtype(name, "residual", residual, ("bfloat16",))
     wb = 1 if fp8 else 2
-    plan = plan_mlp(T, H, I, wb, fp8, _sbuf_budget(), tiled)
+    plan = plan_mlp(T, H, I, wb, fp8, sbuf_budget(), tiled)
     return launch(swiglu_mlp_kernel, x, w_gate, w_up, w_down, norm_weight, residual,
                   sc[0], sc[1], sc[2], float(eps), plan.tb_max, plan.combined, plan.nf_gu,
                   plan.nf_d, plan.kb_gu, plan.kb_d, plan.y_pipe, tiled)

@@ -24,11 +24,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._limits import P, sbuf_budget
+from .._validate import GEN_NAMES, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from .._validate import is_torch as _is_torch
 from ..backend import launch, nisa, nki, nl
 
-P = 128            # partitions; x4 rows per contraction chunk
 CHUNK = 512        # contraction values per chunk (128 partitions x 4 lanes)
 TILE = 128         # columns per tile of the MX layout (and per stationary A tile)
 TN = 1024          # moving free size per nc_matmul_mx (fp32 PSUM, 2 banks) ...
@@ -370,7 +371,6 @@ def _load_tiles(q_hbm, s_hbm, q_sb, s_sb, KT, f0, fw):
     """Columns [f0, f0+fw) (f0 a multiple of 128) of an MX-tile-layout operand -> SBUF
     q_sb [128, nt, KT, 128] x4 and s_sb [128, nt, SL, 128] (quadrant scale image). Full tiles move
     in one DMA (one contiguous run per partition), a ragged last tile in a second."""
-    SL = -(-KT // 4)
     full = fw // TILE
     w = fw - full * TILE
     if full:
@@ -379,14 +379,7 @@ def _load_tiles(q_hbm, s_hbm, q_sb, s_sb, KT, f0, fw):
     if w:
         nisa.dma_copy(dst=q_sb[:, full, :, 0:w],
                       src=q_hbm[:, KT * (f0 + full * TILE):KT * (f0 + fw)])
-    for Q in range(4):                    # image row 16Q + r -> SBUF partition 32Q + r
-        rows = s_hbm[16 * Q:16 * Q + 16, :]
-        if full:
-            nisa.dma_copy(dst=s_sb[32 * Q:32 * Q + 16, 0:full, :, :],
-                          src=rows[:, SL * f0:SL * (f0 + full * TILE)])
-        if w:
-            nisa.dma_copy(dst=s_sb[32 * Q:32 * Q + 16, full, :, 0:w],
-                          src=rows[:, SL * (f0 + full * TILE):SL * (f0 + fw)])
+    _load_scale_tiles(s_hbm, s_sb, KT, f0, fw)   # image row 16Q + r -> SBUF partition 32Q + r
 
 
 def _quantize_b_block(b, b_q, b_s, K, n0, nbb):
@@ -454,11 +447,15 @@ def _host(x):
 
 
 def _need_trn3(op):
-    gen = int(nisa.get_nc_version())
-    if gen < 4:
+    """The op's target check (up front): Trn3 only, with the FP8 alternative named."""
+    try:
+        check_target(op, ("trn3",))
+    except ValueError:
+        gen = int(nisa.get_nc_version())
         raise ValueError(f"{op}: MXFP8 (nc_matmul_mx / quantize_mx) needs Trn3 (NeuronCore-v4); "
-                         f"the target is gen{gen} (Trn2). On Trn2 use matmul() with float8_e4m3 "
-                         f"or float8_e5m2 inputs (FP8 double_row)")
+                         f"the target is {GEN_NAMES.get(gen, f'gen{gen}')}; supported targets: "
+                         f"trn3. On Trn2 use matmul() with float8_e4m3 or float8_e5m2 inputs "
+                         f"(FP8 double_row)") from None
 
 
 def _operand(x, name, fmt, transposed):
@@ -510,6 +507,7 @@ def mxfp8_matmul(a, b, *, out_dtype="bfloat16", fmt="e4m3fn", lnc: int = 1):
     Raises on Trn2 (no MX TensorE mode) with a message naming Trn3.
     """
     _need_trn3("mxfp8_matmul")
+    check_no_grad("mxfp8_matmul", a, b)
     fmt = _fmt(fmt)
     a_arr, a_s, Ka, M, a_fmt = _operand(a, "a", fmt, transposed=True)
     b_arr, b_s, Kb, N, b_fmt = _operand(b, "b", fmt, transposed=False)
@@ -527,7 +525,7 @@ def mxfp8_matmul(a, b, *, out_dtype="bfloat16", fmt="e4m3fn", lnc: int = 1):
                          f"{out_dtype!r}")
     if lnc not in (1, 2):
         raise ValueError(f"mxfp8_matmul: lnc must be 1 or 2; got {lnc}")
-    budget = int(nl.tile_size.sbuf_fmax_bytes * 0.9)
+    budget = sbuf_budget()
     plan = plan_mx(M, K, N, a_s is None, b_s is None, 2 if out_dtype == "bfloat16" else 4, lnc,
                    budget)
     return launch(mxfp8_matmul_kernel, a_arr, a_s, b_arr, b_s, K, _x4_dtype(a_fmt),

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._limits import P, sbuf_budget
+from .._validate import check_eps, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from ..backend import launch, nisa, nki, nl
 from .mxfp8_matmul import CHUNK, MXTensor
 
-P = 128
 AMAX_FLOOR = 2.0 ** -100      # rows with max|g| below this are scaled as if it were this
 FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 DT_BLOCKS = 16                # 128-column blocks per DMA transpose: 4 KiB SBUF rows per partition
@@ -543,7 +544,7 @@ def rmsnorm_quant(x, gamma, *, residual=None, eps=1e-6, quant="fp8", fp8_dtype=N
       gamma: ``[H]`` bfloat16 or float32.
       residual: optional ``[T, H]`` bfloat16; then ``h = bf16(x + residual)`` is normalized and
          also returned (the updated residual).
-      eps: added to the mean square (default 1e-6).
+      eps: added to the mean square, > 0 (default 1e-6).
       quant: "fp8" (per-token FP8, H a multiple of 128) or "mx" (MXFP8, Trn3, H a multiple of 512).
       fp8_dtype: "float8_e4m3" (Trn2's FP8 matmul format, max 240), "float8_e5m2", or (Trn3 only)
          "float8_e4m3fn" (max 448). Default: float8_e4m3 on Trn2, float8_e4m3fn on Trn3.
@@ -557,6 +558,8 @@ def rmsnorm_quant(x, gamma, *, residual=None, eps=1e-6, quant="fp8", fp8_dtype=N
       [128, (H/512) T], scale uint8 [64, ceil(H/2048) T]) -- pass it as ``a`` to ``mxfp8_matmul``.
       With a residual, a tuple whose last element is the updated residual ``[T, H]`` bf16.
     """
+    gen = check_target("rmsnorm_quant")
+    check_no_grad("rmsnorm_quant", x, gamma, residual)
     if getattr(x, "ndim", None) != 2:
         raise ValueError(f"rmsnorm_quant: x must be 2-D [T, H]; got shape "
                          f"{getattr(x, 'shape', None)}")
@@ -582,12 +585,10 @@ def rmsnorm_quant(x, gamma, *, residual=None, eps=1e-6, quant="fp8", fp8_dtype=N
         if _dtype_name(residual) != "bfloat16":
             raise TypeError(f"rmsnorm_quant: residual must be bfloat16; got "
                             f"{_dtype_name(residual)}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"rmsnorm_quant: eps must be a non-negative float; got {eps!r}")
+    check_eps("rmsnorm_quant", eps)
     if lnc not in (1, 2):
         raise ValueError(f"rmsnorm_quant: lnc must be 1 or 2; got {lnc}")
-    gen = int(nisa.get_nc_version())
-    budget = int(nl.tile_size.sbuf_fmax_bytes * 0.9)
+    budget = sbuf_budget()
     gbytes = 2 if _dtype_name(gamma) == "bfloat16" else 4
     plan = plan_rmsnorm_quant(T, H, quant, residual is not None, gbytes, budget)
 

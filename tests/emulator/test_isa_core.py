@@ -11,8 +11,9 @@ import warnings
 import ml_dtypes
 import numpy as np
 import pytest
+from kernel_helpers import in_kernel, load, val
 
-from nki_kernels.emulator import NkiRuntimeError, jit, target
+from nki_kernels.emulator import NkiRuntimeError, jit
 from nki_kernels.emulator import isa as nisa
 from nki_kernels.emulator import language as nl
 from nki_kernels.emulator.isa import NkiHardwareWarning
@@ -21,27 +22,6 @@ BF16 = ml_dtypes.bfloat16
 RNG = np.random.default_rng(1234)
 
 
-def in_kernel(body, *arrays, tgt="trn3"):
-    """Run ``body(*hbm_tensors)`` inside a jitted kernel and return what it returned."""
-    box = {}
-
-    @jit
-    def k(arrs):
-        box["r"] = body(*arrs)
-
-    with target(tgt):
-        k(tuple(arrays))
-    return box["r"]
-
-
-def val(t):
-    return np.array(t._read(), copy=True)
-
-
-def load(h, dtype=None, shape=None):
-    t = nl.ndarray(shape or h.shape, dtype or h.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=h)
-    return t
 
 
 def ints(shape, lo=-8, hi=9, dtype=np.float32):

@@ -9,36 +9,17 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from kernel_helpers import in_kernel, load, val
 
-from nki_kernels.emulator import NkiValidationError, jit, target
+from nki_kernels.emulator import NkiValidationError, jit
 from nki_kernels.emulator import isa as nisa
 from nki_kernels.emulator import language as nl
 
 BF16 = ml_dtypes.bfloat16
 
 
-def in_kernel(body, *arrays, tgt="trn3"):
-    """Run ``body(*hbm_tensors)`` inside a jitted kernel and return what it returned."""
-    box = {}
-
-    @jit
-    def k(arrs):
-        box["r"] = body(*arrs)
-
-    with target(tgt):
-        k(tuple(arrays))
-    return box["r"]
-
-
-def val(t):
-    """A copy of the elements of view ``t`` (storage dtype)."""
-    return np.array(t._read(), copy=True)
-
-
 def sbuf_from(a_hbm, dtype=None):
-    t = nl.ndarray(a_hbm.shape, dtype or a_hbm.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=a_hbm)
-    return t
+    return load(a_hbm, dtype)
 
 
 A3 = np.arange(64 * 64 * 64, dtype=np.float32).reshape(64, 64, 64)
