@@ -217,6 +217,13 @@ class MoEShape:
     intermediate: int
     n_experts: int
     top_k: int
+    # expert parallelism, shared experts, router options (fused_moe / router_topk bench)
+    n_local: int = 0                 # experts held by this shard; 0 = all n_experts
+    shared_intermediate: int = 0     # width of the shared expert(s); 0 = none
+    n_groups: int = 0                # group-limited routing (DeepSeek-V3: 8 groups, keep 4)
+    topk_groups: int = 0
+    scoring: str = "softmax"         # router scoring: "softmax" | "sigmoid"
+    routed_scaling: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -259,6 +266,16 @@ def moe_of(cfg: ModelConfig, tokens: int) -> MoEShape:
         raise ValueError(f"{cfg.name} is not a mixture-of-experts model")
     return MoEShape(f"{_slug(cfg)} T={tokens}", tokens, cfg.hidden, cfg.moe_intermediate,
                     cfg.n_experts, cfg.top_k)
+
+
+def moe_shard_of(cfg: ModelConfig, tokens: int, ep: int = 1, **routing) -> MoEShape:
+    """One expert-parallel rank of ``cfg``'s MoE layer: ``n_experts // ep`` local experts, the
+    shared expert(s) (``n_shared_experts`` x ``moe_intermediate`` wide) and the router options
+    ``routing`` (n_groups, topk_groups, scoring, routed_scaling)."""
+    s = moe_of(cfg, tokens)
+    name = f"{_slug(cfg)} EP{ep} T={tokens}" if ep > 1 else s.name
+    return replace(s, name=name, n_local=cfg.n_experts // ep,
+                   shared_intermediate=cfg.n_shared_experts * cfg.moe_intermediate, **routing)
 
 
 def rmsnorm_of(cfg: ModelConfig, tokens: int) -> RMSNormShape:
@@ -374,6 +391,16 @@ ODD = Tier(
              RMSNormShape("T=0", 0, 512)),
 )
 
+# Fused-MoE targets (issue 18): Qwen3-30B-A3B, DeepSeek-V3 as one EP rank of 8 (32 local experts
+# of 256, one shared expert, sigmoid routing with 8 groups keep 4, scaling 2.5), Mixtral-8x7B at
+# TP8; decode T = 1, 8, 64 and prefill T = 4096.
+MIXTRAL_8X7B_TP8 = MIXTRAL_8X7B.tp_shard(8)
+DEEPSEEK_V3_ROUTING = dict(n_groups=8, topk_groups=4, scoring="sigmoid", routed_scaling=2.5)
+MOE_TARGETS = (tuple(moe_of(QWEN3_30B_A3B, t) for t in (1, 8, 64, 4096))
+               + tuple(moe_shard_of(DEEPSEEK_V3, t, ep=8, **DEEPSEEK_V3_ROUTING)
+                       for t in (1, 8, 64, 4096))
+               + tuple(moe_of(MIXTRAL_8X7B_TP8, t) for t in (1, 8, 64, 4096)))
+
 MODELS = Tier(
     "models",
     matmul=(
@@ -403,7 +430,9 @@ MODELS = Tier(
     + tuple(mlp_of(LLAMA3_70B_TP8, t) for t in (1, 8, 32, 128, 2048, 8192)),
     moe=tuple(moe_of(MIXTRAL_8X7B, t) for t in (1, 64, 256))
     + tuple(moe_of(QWEN3_30B_A3B, t) for t in (1, 64, 256, 1024))
-    + (moe_of(QWEN3_235B_A22B, 256), moe_of(DEEPSEEK_V3, 1), moe_of(DEEPSEEK_V3, 256)),
+    + (moe_of(QWEN3_235B_A22B, 256), moe_of(DEEPSEEK_V3, 1), moe_of(DEEPSEEK_V3, 256))
+    + tuple(moe_of(QWEN3_30B_A3B, t) for t in (8, 4096))      # the rest of MOE_TARGETS
+    + MOE_TARGETS[4:],
     rmsnorm=(rmsnorm_of(LLAMA3_8B, 2048), rmsnorm_of(LLAMA3_70B, 2048),
              rmsnorm_of(LLAMA3_70B, 32768), rmsnorm_of(DEEPSEEK_V3, 128),
              rmsnorm_of(GEMMA3_27B, 512)),

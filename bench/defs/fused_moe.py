@@ -1,0 +1,129 @@
+"""Bench definition of the fused MoE layer: routed SwiGLU experts (+ shared expert).
+
+Shapes: ``reference.shapes`` tier ``.moe``; in the MODELS tier the fused-MoE targets
+``shapes.MOE_TARGETS`` (Qwen3-30B-A3B; DeepSeek-V3 as one EP rank of 8 = 32 local experts, one
+shared expert, sigmoid routing with groups; Mixtral-8x7B at TP8; T = 1, 8, 64, 4096), each in
+bf16 and with FP8 e4m3 tile-major weights (``tile_expert_weights``, done once in ``make_inputs``,
+not timed). The other MODELS entries (whole unsharded layers, tens of GB of weights) are not
+benched.
+
+Routing is drawn once per case with a fixed seed (``router_topk_ref`` on normal logits over the
+global experts), so FLOPs and bytes count what this routing needs: FLOPs of the local (token,
+expert) pairs, bytes of the *distinct* chosen local experts' weights read once, plus x, y and the
+routing. Decode rows (T <= 64) are HBM-bound (goal: 80% of the memory roof on Trn3); prefill
+rows (T = 4096) are TensorE-bound when an expert gets more tokens than the ridge (goal: 75% of
+the TensorE peak of the dtype on Trn3).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from nki_kernels.bench.defs import BenchCase, check_rows, register
+from nki_kernels.moe.fused_moe import DECODE_T_MAX, fused_moe, tile_expert_weights
+from nki_kernels.reference import shapes
+from nki_kernels.reference.compare import cosine_similarity
+from nki_kernels.reference.fused_moe import (
+    bytes_fused_moe,
+    distinct_local_experts,
+    flops_fused_moe,
+    fused_moe_ref,
+    local_assignments,
+)
+from nki_kernels.reference.router_topk import router_topk_ref
+from nki_kernels.reference.swiglu_mlp import quantize_fp8_per_channel
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = ml_dtypes.float8_e4m3
+
+
+def routing_of(s: shapes.MoEShape, seed: int = 0):
+    """(weights [T, k] fp32, ids [T, k] int32 global) drawn by the model's router."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((s.tokens, s.n_experts), dtype=np.float32)
+    kw = {}
+    if s.n_groups:
+        kw = dict(n_groups=s.n_groups, topk_groups=s.topk_groups)
+    return router_topk_ref(logits, s.top_k, scoring=s.scoring, routed_scaling=s.routed_scaling,
+                           **kw)
+
+
+def _expert_weights(rng, E, K, N):
+    """[E, K, N] fp32, std 1/sqrt(K): two random experts, rolled per expert (cheap to build;
+    the values do not change the modeled time)."""
+    pool = rng.standard_normal((2, K, N), dtype=np.float32) * K ** -0.5
+    out = np.empty((E, K, N), np.float32)
+    for e in range(E):
+        out[e] = np.roll(pool[e % 2], e, axis=-1)
+    return out
+
+
+def moe_case(s: shapes.MoEShape, dtype: str = "bf16") -> BenchCase:
+    T, H, I, k = s.tokens, s.hidden, s.intermediate, s.top_k
+    E = s.n_local or s.n_experts
+    Is = s.shared_intermediate
+    fp8 = dtype == "fp8"
+    w, ids = routing_of(s)
+    n_assign = local_assignments(ids, E)
+    n_distinct = distinct_local_experts(ids, E)
+
+    def make_inputs(rng):
+        x = rng.standard_normal((T, H), dtype=np.float32).astype(BF16)               # [T, H]
+        ws = [_expert_weights(rng, E, H, 2 * I), _expert_weights(rng, E, I, H)]
+        sh = [_expert_weights(rng, 1, H, 2 * Is)[0], _expert_weights(rng, 1, Is, H)[0]] if Is \
+            else []
+        if not fp8:
+            return (x, w, ids, *[a.astype(BF16) for a in ws + sh])
+        qe = [[quantize_fp8_per_channel(a, E4M3) for a in wt] for wt in ws]
+        exp = [tile_expert_weights(np.stack([a for a, _ in q])) for q in qe]
+        sc = [np.stack([c for _, c in q]) for q in qe]
+        qs = [quantize_fp8_per_channel(a, E4M3) for a in sh]
+        from nki_kernels import tile_weight
+        return (x, w, ids, *exp, *[tile_weight(a) for a, _ in qs], *sc, *[c for _, c in qs])
+
+    def run(x, w, ids, wgu, wd, *rest):
+        kw = {}
+        if fp8:
+            n = 2 if Is else 0
+            shared, scales = rest[:n], rest[n:]
+            kw = dict(gate_up_scale=scales[0], down_scale=scales[1])
+            if Is:
+                kw.update(shared_scales=(scales[2], scales[3]))
+        else:
+            shared = rest
+        if shared:
+            kw["shared"] = tuple(shared)
+        return fused_moe(x, wgu, wd, w, ids, **kw)
+
+    def check(inputs, y):
+        if fp8:
+            return
+        x, w_, ids_, wgu, wd, *shared = inputs
+        rows = check_rows(T)
+        ref = fused_moe_ref(x[rows], wgu, wd, w_[rows], ids_[rows],
+                            shared=tuple(shared) if shared else None)
+        cs = cosine_similarity(np.asarray(y, np.float32)[rows], ref.astype(np.float32))
+        assert cs > 0.9999, f"fused_moe {s.name}: cosine similarity {cs:.6f}"
+
+    decode = T <= DECODE_T_MAX
+    return BenchCase(
+        op="fused_moe", shape=s.name,
+        dims={"T": T, "H": H, "I": I, "E": E, "k": k, "experts_read": n_distinct},
+        dtype=dtype, make_inputs=make_inputs, run=run,
+        flops=flops_fused_moe(n_assign, H, I, T, Is),
+        bytes=bytes_fused_moe(T, H, I, n_distinct, k, 1 if fp8 else 2, Is),
+        roof_kind="fp8" if fp8 else "bf16", check=check,
+        goal={"trn3": 80.0 if decode else 75.0} if s in shapes.MOE_TARGETS else None)
+
+
+@register("fused_moe")
+def cases(tier: str, target: str):
+    t = shapes.tier(tier)
+    if tier == "models":
+        for s in shapes.MOE_TARGETS:
+            yield moe_case(s, "bf16")
+        for s in shapes.MOE_TARGETS:
+            yield moe_case(s, "fp8")
+        return
+    for s in t.moe:
+        yield moe_case(s, "bf16")
