@@ -92,6 +92,15 @@ def test_gqa_mixed_lengths(tgt, rng, bs):
     _run(q, k, v, lens, bs)
 
 
+def test_vector_gather(tgt, rng, monkeypatch):
+    """The software-DGE form of the paged gather (row indices built on chip from the table)."""
+    from nki_kernels.attention import decode_attention as mod
+    monkeypatch.setattr(mod, "GATHER", "vector")
+    lens = [300, 1]
+    q, k, v = _inputs(rng, 2, 1, 8, 2, 128, lens)
+    _run(q, k, v, lens, 16)
+
+
 @pytest.mark.parametrize("bs", [32, 128])
 def test_paged_block_sizes(tgt, rng, bs):
     lens = [bs * 3 + 5, 2]

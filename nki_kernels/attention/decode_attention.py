@@ -32,7 +32,14 @@ import numpy as np
 from .._validate import dtype_name as _dtype_name
 from .._validate import is_torch as _is_torch
 from ..backend import launch, nisa, nki, nl
-from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, page_rows, tokens_per_partition
+from .kv_cache import (
+    BLOCK_SIZES,
+    KVLayout,
+    load_kv_tile,
+    load_kv_tile_pages,
+    page_rows,
+    tokens_per_partition,
+)
 from .masks import mask_range_select
 from .merge_attention_states import merge_states_sb
 from .softmax import M_FLOOR, SoftmaxState
@@ -44,7 +51,12 @@ MAX_S_Q = 8
 MM_N = 512            # score columns per QK^T matmul (one fp32 PSUM bank)
 TR_GROUP = 8          # 128-key transposes per PSUM buffer (2 KiB of bf16)
 PREFETCH = 2          # KV tiles loaded ahead of the one being computed
-LAGS = (0, 1, 2)      # pipeline lags of the stages K^T, QK^T + softmax, P^T + PV (in jobs)
+LAGS = (0, 1, 2, 3)   # pipeline lags (in jobs) of the stages K^T, QK^T + softmax, P^T, PV: every
+                      # PSUM eviction has a whole step to finish before TensorE needs its result
+# Paged gather: "page" (a register-addressed DMA per page) models at 73% of the HBM roof on
+# Llama-3-8B B=8 L=2K paged/64 (Trn3) against 0.1% for "vector" (one software-DGE gather per tile):
+# the cost model sizes the gather's descriptors by its 4-byte index reads (see the design note).
+GATHER = "page"
 # row table columns (host-built fp32 [B, n_groups, 128, NCOL])
 C_LO, C_HI, C_QK, C_V, C_SINK = 0, 1, 2, 3, 4
 NCOL = 5
@@ -59,6 +71,8 @@ class DecodePlan(nl.NKIObject):
     items of each program (:func:`.split_kv.plan_split_kv`); seq_lens: host lengths;
     xmul: logit = xmul * X (softcap c, else 1: scores are scaled when they leave PSUM);
     kt_act: share of K^T evictions on ScalarE (the rest VectorE).
+    gather: paged caches only: "page" (one DMA per page addressed by a register loaded from the
+      block table) or "vector" (one software-DGE gather per tile, row indices built on chip).
     """
     B: int
     s_q: int
@@ -77,6 +91,7 @@ class DecodePlan(nl.NKIObject):
     return_lse: bool
     out_dtype: object
     kt_act: float
+    gather: str = "page"
 
     @property
     def G(self) -> int:
@@ -202,14 +217,34 @@ class _Group:
         self.sm = sm
 
 
+def _tile_stream(mine, lay):
+    """``(item index, tile number, k0, keys, last of its item)`` of every KV tile in order."""
+    tiles = []
+    for ii, it in enumerate(mine):
+        for c, k0 in enumerate(range(it.k0, it.k1, lay.tile_keys)):
+            tiles.append((ii, c, k0, min(lay.tile_keys, it.k1 - k0), k0 + lay.tile_keys >= it.k1))
+    return tiles
+
+
+def _table_row(block_table, it, lay):
+    """The block-table entries of the pages item ``it`` reads: int32 SBUF ``[1, pages]``, one
+    contiguous DMA (entries past the sequence's end are not read)."""
+    p0 = it.k0 // lay.block_size
+    n = -(-it.k1 // lay.block_size) - p0
+    bt = nl.ndarray((1, n), dtype=nl.int32, buffer=nl.sbuf)                     # [1, pages]
+    nisa.dma_copy(dst=bt, src=block_table[it.b, p0:p0 + n].reshape((1, n)))
+    return bt
+
+
 class _Job:
     """One (KV tile, row group) job between its pipeline stages."""
 
-    def __init__(self, it, grp, kt, vt, k0, n):
+    def __init__(self, it, grp, kt, vt, k0, n, lay):
         self.it, self.grp, self.kt, self.vt, self.k0, self.n = it, grp, kt, vt, k0, n
+        self.lay = lay                       # this tile's geometry (ramp pieces: smaller T)
         self.npp = -(-n // kt.shape[1])      # partitions holding keys of this tile
         self.ncol = self.npp * kt.shape[1]   # score columns (key k0 + c; c >= n masked)
-        self.kTs = self.Pm = self.alpha = None
+        self.kTs = self.Pm = self.pT = self.alpha = None
 
 
 class _Run:
@@ -233,11 +268,7 @@ class _Run:
         the three stages of a (tile, row group) job -- K^T, QK^T + softmax, P^T + PV -- run with
         lags LAGS, so each engine's in-order queue always holds independent work."""
         lay = self.lay
-        tiles = []
-        for ii, it in enumerate(mine):
-            for c, k0 in enumerate(range(it.k0, it.k1, lay.tile_keys)):
-                last = k0 + lay.tile_keys >= it.k1
-                tiles.append((ii, c, k0, min(lay.tile_keys, it.k1 - k0), last))
+        tiles = _tile_stream(mine, lay)          # (item, tile number, k0, keys, last of item)
         idx = {}
         groups = {}
         loaded = {}
@@ -246,25 +277,29 @@ class _Run:
         def fetch(j):
             ii, c, k0, n, _ = tiles[j]
             it = mine[ii]
-            if c == 0:
+            if ii not in groups:
                 groups[ii] = self.start(it)
-                if lay.paged:
+                if self.cfg.gather == "vector":
                     idx[ii] = [page_rows(self.bt, it.b, a, min(it.k1 - a, P * lay.tile_keys), lay)
                                for a in range(it.k0, it.k1, P * lay.tile_keys)]
+                elif lay.paged:
+                    idx[ii] = _table_row(self.bt, it, lay)
             kt = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=self.kc.dtype, buffer=nl.sbuf)
             vt = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=self.vc.dtype, buffer=nl.sbuf)
-            col = None
-            if lay.paged:
-                col = idx[ii][c // P][:, c % P:c % P + 1]
-            load_kv_tile(kt, self.kc, lay, it.b, k0, n, col, zero_tail=fp8)  # K^T by matmul
-            load_kv_tile(vt, self.vc, lay, it.b, k0, n, col)
-            loaded[j] = (kt, vt)
+            if lay.paged and self.cfg.gather == "page":
+                load_kv_tile_pages([(kt, self.kc, fp8), (vt, self.vc, False)], lay, it.b, k0, n,
+                                   idx[ii], it.k0 // lay.block_size)
+            else:
+                col = idx[ii][c // P][:, c % P:c % P + 1] if lay.paged else None
+                load_kv_tile(kt, self.kc, lay, it.b, k0, n, col, zero_tail=fp8)  # K^T by matmul
+                load_kv_tile(vt, self.vc, lay, it.b, k0, n, col)
+            loaded[j] = (kt, vt, lay)
 
         jobs = [(j, gi) for j in range(len(tiles)) for gi in range(self.cfg.n_groups)]
         state = {}
         steps = len(jobs) + LAGS[-1]
         for step in range(steps):
-            for stage in range(3):
+            for stage in range(4):
                 ji = step - LAGS[stage]
                 if not 0 <= ji < len(jobs):
                     continue
@@ -275,14 +310,16 @@ class _Run:
                     for jj in range(j, min(len(tiles), j + PREFETCH + 1)):
                         if jj not in loaded and jj >= j:
                             fetch(jj)
-                    kt, vt = loaded[j]
+                    kt, vt, tl = loaded[j]
                     grp = groups[ii][gi]
-                    state[ji] = _Job(it, grp, kt, vt, k0, n)
+                    state[ji] = _Job(it, grp, kt, vt, k0, n, tl)
                     self.stage_kT(state[ji])
                     if gi == self.cfg.n_groups - 1:
                         loaded.pop(j)
                 elif stage == 1:
                     self.stage_softmax(state[ji])
+                elif stage == 2:
+                    self.stage_pT(state[ji])
                 else:
                     job = state.pop(ji)
                     self.stage_pv(job)
@@ -379,7 +416,7 @@ class _Run:
     def stage_kT(self, job):
         """K^T of each head of the group, key order restored on eviction (column p*T + t comes
         from transpose t of partition p)."""
-        cfg, lay, DT = self.cfg, self.lay, self.DT
+        cfg, lay, DT = self.cfg, job.lay, self.DT
         T, npp, ncol, kt = lay.T, job.npp, job.ncol, job.kt
         fp8 = kt.dtype not in (nl.bfloat16, nl.float16)
         job.kTs = []
@@ -409,7 +446,7 @@ class _Run:
         """S = Q^T.T @ K^T per slot (PE column tiles side by side); scores out of PSUM in one
         pass (X in logit units, or tanh units with a soft-cap; row max fused, masked where the
         tile needs it); online-softmax max / exp / sums."""
-        cfg, lay, DT = self.cfg, self.lay, self.DT
+        cfg, lay, DT = self.cfg, job.lay, self.DT
         grp, ncol, k0 = job.grp, job.ncol, job.k0
         rows, W = grp.rows, cfg.W
         tiled = W < P
@@ -452,13 +489,10 @@ class _Run:
         sm.update_sum(rowsum, job.alpha)
         job.Pm = Pm
 
-    def stage_pv(self, job):
-        """P^T (key p*T + t on partition p of slice t), O[slot rows] = sum_t P^T[t].T V[t, head],
-        then o = alpha o + O."""
-        cfg, lay = self.cfg, self.lay
-        grp, npp, ncol, n, vt = job.grp, job.npp, job.ncol, job.n, job.vt
-        T, rows, W = lay.T, grp.rows, cfg.W
-        tiled = W < P
+    def stage_pT(self, job):
+        """P^T: key p*T + t on partition p of slice t (TensorE transposes, evicted to SBUF)."""
+        lay = job.lay
+        npp, ncol, T, rows = job.npp, job.ncol, lay.T, job.grp.rows
         pT = nl.ndarray((P, T, P), dtype=nl.bfloat16, buffer=nl.sbuf)             # [keys, T, rows]
         pv = job.Pm[:, 0:ncol].reshape_dim(1, (npp, T))
         for t0 in range(0, T, TR_GROUP):
@@ -469,6 +503,14 @@ class _Run:
                                   engine=nisa.engine.tensor)
             self._evict(pT[0:npp, t0:t1, 0:rows], tp[0:npp, :, 0:rows])
         job.Pm = None
+        job.pT = pT
+
+    def stage_pv(self, job):
+        """O[slot rows] = sum_t P^T[t].T @ V[t, head] (PE column tiles), then o = alpha o + O."""
+        cfg, lay = self.cfg, job.lay
+        grp, n, vt, pT = job.grp, job.n, job.vt, job.pT
+        T, rows, W = lay.T, grp.rows, cfg.W
+        tiled = W < P
         O = nl.ndarray((P, cfg.d), dtype=nl.float32, buffer=nl.psum)              # [rows, d]
         for t in range(T):                       # slots innermost (PE column tiles overlap)
             kp = -(-(n - t) // T)                # partitions whose slot t holds a valid key
@@ -658,7 +700,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
                       seq_lens=tuple(int(x) for x in sl), items=items, window=int(window or 0),
                       softcap=float(softcap or 0.0), has_sinks=sk is not None,
                       has_vscale=vs is not None, return_lse=bool(return_lse),
-                      out_dtype=getattr(nl, qn), kt_act=0.5)
+                      out_dtype=getattr(nl, qn), kt_act=0.5, gather=GATHER)
     rowtab = row_table(plan, scale, ks, vs, sk)
     bt_arg = None if bt is None else np.ascontiguousarray(bt.astype(np.int32))
     res = launch(decode_attention_kernel, q, k_cache, v_cache, bt_arg, rowtab, plan, lnc=lnc)

@@ -154,3 +154,38 @@ def load_kv_tile(dst, cache, lay: KVLayout, b: int, k0: int, n: int, idx=None, z
         nisa.dma_copy(dst=flat[nfull:nfull + 1, 0:rem * tok],
                       src=rows.ap([[row, 1], [1, rem * tok]], offset=0,
                                   vector_offset=idx[nfull:nfull + 1, :], indirect_dim=0))
+
+
+def load_kv_tile_pages(pairs, lay: KVLayout, b: int, k0: int, n: int, bt_sb, page0: int):
+    """The paged form of :func:`load_kv_tile` with one DMA per page and cache: each page's
+    physical number is loaded into a register from ``bt_sb [1, pages]`` (int32 SBUF: the
+    sequence's block-table entries from ``page0`` on) and addresses the page through a scalar
+    dynamic offset (any DGE; no per-row index descriptors), shared by K and V. Partitions
+    ``[i R, (i + 1) R)`` of the tile get page ``i`` of the tile (``T`` tokens each; a partial last
+    partition gets the remaining keys). ``pairs``: ``(dst [128, T, H_kv, d], cache, zero_tail)``."""
+    T, row, R, bs = lay.T, lay.row, lay.R, lay.block_size
+    tok = lay.h_kv * lay.d
+    nfull, rem = n // T, n % T
+    views = []
+    for dst, cache, zero_tail in pairs:
+        flat = dst.reshape((P, row))
+        if rem and zero_tail:
+            nisa.memset(dst=flat[nfull:nfull + 1, rem * tok:row], value=0.0,
+                        engine=nisa.engine.gpsimd)
+        views.append((flat, cache.reshape((cache.shape[0], bs * tok))))   # [num_blocks, page]
+    for i in range(-(-n // bs)):
+        p0 = i * R
+        j = (k0 - page0 * bs) // bs + i            # entry of bt_sb
+        reg = nisa.register_alloc()
+        nisa.register_load(dst=reg, src=bt_sb[0:1, j:j + 1])
+        full = max(0, min(R, nfull - p0))
+        for flat, pages in views:
+            if full:
+                nisa.dma_copy(dst=flat[p0:p0 + full, :],
+                              src=pages.ap([[row, full], [1, row]], offset=0, scalar_offset=reg,
+                                           indirect_dim=0))
+            if rem and p0 <= nfull < p0 + R:
+                a = (nfull - p0) * row               # partition nfull inside the page
+                nisa.dma_copy(dst=flat[nfull:nfull + 1, 0:rem * tok],
+                              src=pages.ap([[row, 1], [1, rem * tok]], offset=a,
+                                           scalar_offset=reg, indirect_dim=0))
