@@ -252,6 +252,42 @@ def decode_of(cfg: ModelConfig, kv_len: int, batch: int = 1, q_len: int = 1,
                        cfg.n_kv_heads, cfg.head_dim, page_size)
 
 
+@dataclass(frozen=True)
+class DecodeBenchShape:
+    """A decode-attention bench row: ``lens`` (tokens per sequence, new ones included),
+    ``q_len`` new tokens, the cache (``page_size`` 0 = contiguous) and its dtype, cores used."""
+    name: str
+    lens: tuple
+    q_len: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    page_size: int = 0
+    kv_dtype: str = "bfloat16"
+    lnc: int = 1
+
+    @property
+    def batch(self) -> int:
+        return len(self.lens)
+
+
+def decode_bench_of(cfg: ModelConfig, kv_len: int, batch: int = 1, q_len: int = 1,
+                    page_size: int = 0, kv_dtype: str = "bfloat16", lnc: int = 1,
+                    lens: tuple = ()) -> DecodeBenchShape:
+    lens = tuple(lens) or (kv_len,) * batch
+    tag = f"B={len(lens)} L={_k(kv_len)}" if not lens or len(set(lens)) == 1 else \
+        f"1x{_k(max(lens))} + {len(lens) - 1}x{_k(min(lens))}"
+    extra = "".join([f" s_q={q_len}" if q_len > 1 else "",
+                     f" paged/{page_size}" if page_size else "",
+                     " fp8" if kv_dtype != "bfloat16" else "", f" LNC={lnc}" if lnc > 1 else ""])
+    return DecodeBenchShape(f"{_slug(cfg)} {tag}{extra}", lens, q_len, cfg.n_q_heads,
+                            cfg.n_kv_heads, cfg.head_dim, page_size, kv_dtype, lnc)
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)
+
+
 def qkv_of(cfg: ModelConfig, tokens: int) -> QKVShape:
     return QKVShape(f"{_slug(cfg)} T={tokens}", tokens, cfg.hidden, cfg.n_q_heads, cfg.n_kv_heads,
                     cfg.head_dim)
@@ -308,6 +344,33 @@ def linear_of(cfg: ModelConfig, tokens: int, which: str) -> MatmulShape:
     if K == 0 or N == 0:
         raise ValueError(f"{cfg.name} has no {which!r} layer")
     return MatmulShape(f"{_slug(cfg)} {which} M={tokens}", tokens, K, N)
+
+
+# Decode attention bench rows (issue 15): Llama-3-8B at B = 1 / 8 / 64 and 2K-128K contexts,
+# Llama-3-70B TP8, a skewed batch, paged (block 64) and contiguous, bf16 and FP8 caches, s_q = 4,
+# LNC=2. "fp8" is the target's FP8 (e4m3 on Trn2, e4m3fn on Trn3). DECODE_DEFAULT: the default
+# bench's rows (small: one contiguous and one paged Llama-3-8B batch).
+DECODE_MODELS = (
+    decode_bench_of(LLAMA3_8B, 2048),
+    decode_bench_of(LLAMA3_8B, 32768),
+    decode_bench_of(LLAMA3_8B, 131072),
+    decode_bench_of(LLAMA3_8B, 2048, batch=8),
+    decode_bench_of(LLAMA3_8B, 2048, batch=8, page_size=64),
+    decode_bench_of(LLAMA3_8B, 32768, batch=8),
+    decode_bench_of(LLAMA3_8B, 2048, batch=64),
+    decode_bench_of(LLAMA3_8B, 2048, batch=64, page_size=64),
+    decode_bench_of(LLAMA3_8B, 32768, page_size=64),
+    decode_bench_of(LLAMA3_8B, 32768, kv_dtype="fp8"),
+    decode_bench_of(LLAMA3_8B, 2048, batch=8, page_size=64, kv_dtype="fp8"),
+    decode_bench_of(LLAMA3_8B, 2048, batch=8, q_len=4),
+    decode_bench_of(LLAMA3_8B, 32768, lnc=2),
+    decode_bench_of(LLAMA3_8B, 1024, lens=(131072,) + (1024,) * 63),
+    decode_bench_of(LLAMA3_8B, 1024, lens=(131072,) + (1024,) * 63, lnc=2),
+    decode_bench_of(LLAMA3_70B_TP8, 32768),
+    decode_bench_of(LLAMA3_70B_TP8, 8192, batch=8, page_size=64),
+)
+DECODE_DEFAULT = (decode_bench_of(LLAMA3_8B, 2048, batch=8),
+                  decode_bench_of(LLAMA3_8B, 2048, batch=8, page_size=64))
 
 
 # ---------------------------------------------------------------------------------------- tiers
