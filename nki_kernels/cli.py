@@ -81,6 +81,15 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-plot", action="store_true", help="skip the roofline PNG")
     b.add_argument("--quiet", action="store_true", help="no progress bar, no table on stdout")
     _profile_parser(sub)
+    sub.add_parser(
+        "simulate-suite", help="run an NKI project's pytest suite on the emulator",
+        description="nki-kernels simulate-suite PATH [--nki-version 0.3] [--target trn2] -- "
+                    "PYTEST_ARGS: run the project's tests (NKI Library: its --test-mode simulation) "
+                    "on the nki-kernels emulator; see docs/conformance.md.")
+    sub.add_parser(
+        "calibrate", help="model published third-party kernels and compare with their measurements",
+        description="nki-kernels calibrate --kernels DIR [--set NAME=VALUE] [--print-fetch]: the "
+                    "cost model against published hardware figures; see docs/cost-model.md.")
     return p
 
 
@@ -97,6 +106,13 @@ def main(argv=None) -> int:
     except BackendUnavailable as e:
         print(f"nki-kernels: {e}", file=sys.stderr)
         return 2
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["calibrate"]:       # its own parser (nki_kernels.bench.calibrate)
+        from nki_kernels.bench.calibrate import main as calibrate
+        return calibrate(raw[1:])
+    if raw[:1] == ["simulate-suite"]:  # everything after PATH goes to pytest: no argparse here
+        from nki_kernels.emulator.pytest_plugin import main as simulate_suite
+        return simulate_suite(raw[1:])
     args = _parser().parse_args(argv)
     if args.command == "profile":
         return _profile(args)
