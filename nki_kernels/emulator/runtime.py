@@ -93,7 +93,8 @@ class Storage:
     """
 
     __slots__ = ("id", "buffer", "raw", "nbytes", "partitions", "row_bytes", "name", "core",
-                 "p0", "addr", "mm_written", "dtype", "site", "retired", "pitch", "__weakref__")
+                 "p0", "addr", "mm_written", "dtype", "site", "retired", "pitch", "pending",
+                 "__weakref__")
 
     def __init__(self, buffer, nbytes, dtype, name="", partitions=1, row_bytes=None, core=None):
         self.id = next(_alloc_ids)
@@ -111,6 +112,7 @@ class Storage:
         self.site = None       # allocating statement (kernel call stack), on-chip only
         self.retired = False   # space handed to a later allocation by the same statement
         self.pitch = self.nbytes  # HBM: bytes of one row (last dim) of the allocated shape
+        self.pending = None    # SBUF: the allocator that places it at its first use
 
     def __repr__(self):
         return f"<{self.buffer.name} alloc #{self.id} {self.name!r} {self.nbytes} B>"
@@ -125,6 +127,11 @@ class OnChipAllocator:
     banks, larger tiles take whole consecutive banks; 16 KiB per partition in all.
     Allocations are released when the Python object dies (an allocation inside a loop body is
     freed when it goes out of use), which is what lets the compiler rotate buffers.
+
+    SBUF space is taken by liveness, as the compiler's allocator does: a tensor occupies space from
+    its first use (the first instruction that reads or writes it), so a buffer that is allocated
+    but never used takes none, and one allocated before an earlier buffer's last use does not
+    overlap it unless both are used while live. (``address=`` tensors are placed where they say.)
     """
 
     def __init__(self, region: MemoryRegion, gen: hardware.Generation):
@@ -143,19 +150,27 @@ class OnChipAllocator:
 
     def allocate(self, st: Storage, address):
         st.site = _call_site()
-        if self.region is sbuf:
+        if self.region is sbuf and address is None:
+            st.pending = self          # placed at its first use (place())
+        elif self.region is sbuf:
             self._alloc_sbuf(st, address)
         else:
             self._alloc_psum(st, address)
         self.sites[st.id] = (st.site, weakref.ref(st))
         weakref.finalize(st, self.release, st.id)
 
-    def _retire_site(self, site):
+    def place(self, st: Storage):
+        """Take the space of an SBUF tensor at its first use (liveness-based allocation)."""
+        st.pending = None
+        self._alloc_sbuf(st, None)
+
+    def _retire_site(self, site, keep=None):
         """Out of space while the statement that allocates ``site`` runs again (a later loop
         iteration, its previous tile still bound to the loop's variable): the compiler gives each
         iteration the same buffer, so retire the earlier tiles; using one later is an error."""
         old = [(sid, ref()) for sid, (s, ref) in self.sites.items() if s == site]
-        old = [(sid, st) for sid, st in old if st is not None]
+        old = [(sid, st) for sid, st in old if st is not None and st is not keep
+               and sid in self.live]
         for sid, st in old:
             st.retired = True
             self.release(sid)
@@ -178,7 +193,7 @@ class OnChipAllocator:
         if address is None:
             new = self.usage[p0:hi] + st.row_bytes
             if new.max(initial=0) > self.capacity:
-                if retry and self._retire_site(st.site):
+                if retry and self._retire_site(st.site, keep=st):
                     return self._alloc_sbuf(st, address, retry=False)
                 raise NkiValidationError(
                     f"nl.ndarray: SBUF capacity exceeded on {self.gen.name}: allocating "
@@ -230,7 +245,7 @@ class OnChipAllocator:
                     self.live[st.id] = [(b, lo, lo + size)]
                     self._peak()
                     return
-        if retry and self._retire_site(st.site):
+        if retry and self._retire_site(st.site, keep=st):
             return self._alloc_psum(st, address, retry=False)
         used = sum(z - a for fill in self.bank_fill for (a, z, _) in fill)
         raise NkiValidationError(

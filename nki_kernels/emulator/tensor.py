@@ -493,6 +493,8 @@ class NkiTensor:
         return off
 
     def _flat(self):
+        if self.storage.pending is not None:   # first use of an SBUF tensor: it takes its space now
+            self.storage.pending.place(self.storage)
         if self.storage.retired:
             raise NkiValidationError(
                 f"{self.name or 'a tile'!r} ({self.buffer.name}) is used after its space was "

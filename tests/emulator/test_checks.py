@@ -898,6 +898,9 @@ def rt_sbuf_partitions_past_end():
 def rt_sbuf_capacity():
     a = sb((128, 30000), name="a")
     b = sb((128, 30000), name="b")
+    nisa.memset(a, 0.0)       # SBUF space is taken at first use (liveness): both used, both live
+    nisa.memset(b, 0.0)
+    nisa.memset(a, 1.0)
     del a, b
 
 
@@ -1365,6 +1368,7 @@ def test_loop_body_tile_kept_past_its_iteration_is_a_capacity_error():
             kept.append(t)
         for t in kept:
             nisa.memset(t[:, 0:4], 0.0)
+        nisa.memset(kept[0][:, 0:4], 1.0)   # t0 used again while t1 is live: both must fit
     with target("trn2"), pytest.raises(NkiValidationError,
                                        match="'t0' .*used after its space was reused"):
         k()

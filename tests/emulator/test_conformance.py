@@ -285,3 +285,18 @@ def test_dynamic_range_by_version():
     with pytest.raises(NkiValidationError, match="nl.dynamic_range removed in NKI 0.7"):
         _run(body)
     assert list(nl.range(3)) == [0, 1, 2]
+
+
+def test_unused_sbuf_buffers_take_no_space():
+    """SBUF by liveness: 8 never-used 120 KB-per-partition buffers beside two used ones fit."""
+    @jit
+    def k(x):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        spare = [nl.ndarray((128, 30000), nl.float32) for _ in range(8)]  # noqa: F841
+        t = nl.ndarray(x.shape, x.dtype)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    x = np.ones((128, 64), np.float32)
+    with emu.target("trn2"):
+        np.testing.assert_array_equal(k(x), x)
