@@ -1,6 +1,6 @@
 """Trainium NeuronCore numbers: one source for the emulator's limits, the cost model, the roofline.
 
-Every number carries its source tag from ``shared/docs/hardware.md`` / ``nki-spec.md``:
+Every number carries a source tag; docs/cost-model.md lists what each key names:
 [D] documented (key names the doc), [Der] derived, [M] measured by a third party, [Est] estimate.
 Source keys: AT2/AT3 = NKI Trainium2/3 architecture guides, NC3/NC4 = NeuronCore-v3/v4 pages,
 A2 = NKI Trn1/Inf2 architecture guide, ISA = nki.isa API docstrings (SDK 2.32/2.33), TS = the
@@ -10,7 +10,7 @@ Explorer glossary, SCH = profile schema, LNC = logical NeuronCore page, T2/T3 = 
 
 Performance numbers (the cost model and the roofline) live in one frozen :class:`CostParams` per
 generation: ``generation("trn3").cost`` or ``cost_params("trn3")``; ``peak_tflops`` and ``hbm_bw``
-give the per-NeuronCore roofline denominators (hardware.md C.1).
+give the per-NeuronCore roofline denominators (docs/cost-model.md, "Roofline").
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class CostParams:
     """Performance parameters of one NeuronCore generation for the cost model and the roofline.
 
     Units: clocks in GHz, times in ns, bandwidths in B/ns (= GB/s), sizes in bytes, costs in cycles
-    of the named engine. Tags as in hardware.md: [D key] documented, [Der] derived, [M] measured
+    of the named engine. Tags (docs/cost-model.md): [D key] documented, [Der] derived, [M] measured
     by a third party, [Est] estimate / calibration parameter, [C] sources conflict (choice
     explained).
     """
@@ -65,7 +65,7 @@ class CostParams:
     dve_dep_cycles: int = 100
     # ScalarE dependent-chain overhead; 264-cycle dependent II on NC-v2 [Est from D PG]
     act_dep_cycles: int = 200
-    pool_dep_cycles: int = 150     # GpSimd result latency [Est, E.2]
+    pool_dep_cycles: int = 150     # GpSimd result latency [Est]
     pool_start_cycles: int = 150   # GPSIMD_START (iota, affine_select, local_gather) [D ISA26]
     # ActReadAccumulator (activation_reduce, tensor_scalar_reduce) [D A2]
     act_accum_cycles: int = 64
@@ -79,14 +79,14 @@ class CostParams:
     strided_factor: int = 2        # port at half rate when the innermost stride > 16 B [D A2]
     strided_bytes: int = 16        # [D A2]
     dynamic_copy_cycles: int = 600  # dynamic-offset copies: max(~600, N) [D ISA26]
-    pool_cycles_per_elem: float = 1.0  # generic GpSimd elementwise: max(MIN_II, N) [Est, E.2]
+    pool_cycles_per_elem: float = 1.0  # generic GpSimd elementwise: max(MIN_II, N) [Est]
 
     # live-range renaming: a write that starts a new value of an on-chip region does not wait for
     # the accesses of the value before it (the compiler's address rotation over 2 buffers) [C]
     rename_onchip: bool = True
 
     # ---- semaphores
-    # cross-engine semaphore wake-up, L_sem: 50-100 ns (midpoint) [Est, E.4]
+    # cross-engine semaphore wake-up, L_sem: 50-100 ns (midpoint) [Est]
     sem_ns: float = 75.0
 
     # ---- DMA
@@ -100,18 +100,18 @@ class CostParams:
     # every cycle); 1.5 KiB keeps the model at or under that bound with its own stream overheads
     # (docs/cost-model.md, "DMA descriptor floor").
     dma_b_min: float = 1536.0
-    dma_b_fix: float = 100.0       # per-descriptor fixed bytes [Est fit, A.6]
+    dma_b_fix: float = 100.0       # per-descriptor fixed bytes [Est]
     dma_lat_ns: float = 1300.0     # semaphore-to-start latency of every transfer [D DBW]
-    # transfers in flight per queue (setup pipelined): 2-4 (midpoint) [Est, E.3]
+    # transfers in flight per queue (setup pipelined): 2-4 (midpoint) [Est]
     dma_outstanding: int = 3
-    dma_sem_cycles: int = 64       # completion semaphore T_sem, f_sp cycles [Est, E.3]
-    # static-descriptor trigger on the issuing queue, issuer cycles [Est, E.2]
+    dma_sem_cycles: int = 64       # completion semaphore T_sem, f_sp cycles [Est]
+    # static-descriptor trigger on the issuing queue, issuer cycles [Est]
     dma_trigger_cycles: int = 64
     hwdge_ns: float = 600.0        # one hardware-DGE DMA instruction [D AT2; Trn3 assumed equal]
     hwdge_instances: int = 2       # HW DGE instances, driven from SP or ACT [D AT2, DGE]
-    # software DGE descriptor generation on GpSimd: 150 + a * n_desc [Est, E.2]
+    # software DGE descriptor generation on GpSimd: 150 + a * n_desc [Est]
     swdge_start_cycles: int = 150
-    swdge_cycles_per_desc: float = 6.0  # a = 4-8 (midpoint) [Est, E.2]
+    swdge_cycles_per_desc: float = 6.0  # a = 4-8 (midpoint) [Est]
     dma_transpose_eff_hbm: float = 0.9   # HBM->SBUF DMA transpose vs copy [D AT2]
     dma_transpose_eff_sbuf: float = 0.5  # SBUF->SBUF DMA transpose vs copy [D AT2]
 
@@ -132,8 +132,8 @@ class CostParams:
     # ACT function-set switch, 1-2 us [Est]; not modeled (no table map)
     act_table_switch_ns: float = 1500.0
 
-    # [C] launch_ns: hardware.md E.5 lists "3 us (nrtpy device mode)" [M], but that 3.0-3.2 us is
-    # the device time of the whole trivial load-load-add-store kernel (A.6), whose two serial DMA
+    # [C] launch_ns: the nrtpy tutorial's "3 us" device-mode figure [M] is
+    # the device time of the whole trivial load-load-add-store kernel, whose two serial DMA
     # latencies alone are 2 x 1.3 us [D DBW]. Adding 3 us on top would count it twice, so
     # device-mode launch overhead is 0 and the trivial kernel is checked end to end (tests, docs).
 
@@ -164,7 +164,7 @@ class CostParams:
 
     @property
     def hbm_bw_gbps(self) -> float:
-        """Memory roof per NC: min(HBM share, DMA practical peak) [Der, hardware.md C.1]."""
+        """Memory roof per NC: min(HBM share, DMA practical peak) [Der]."""
         return min(self.hbm_share_gbps, self.dma_peak_gbps)
 
 
@@ -219,7 +219,7 @@ class Generation:
     nc_version: int               # 2, 3, 4 (nisa.get_nc_version())
     pmax: int = 128               # partitions [D A2]
     sbuf_bytes_per_partition: int = 192 * KiB   # physical [D A2/AT2/AT3]
-    # runtime reserve [Est]: real value undocumented (nki-spec §4.3)
+    # runtime reserve [Est]: real value undocumented (the NKI docs give no figure)
     sbuf_reserved_bytes: int = 16 * KiB
     psum_bytes_per_partition: int = 16 * KiB    # 8 banks x 2 KiB [D A2, AT2, AT3]
     psum_bank_bytes: int = 2 * KiB              # [D A2]
@@ -260,10 +260,10 @@ TRN3 = Generation(
 )
 
 GENERATIONS = {"trn1": TRN1, "trn2": TRN2, "trn3": TRN3}
-# NEURON_PLATFORM_TARGET_OVERRIDE spellings [D nki-spec §2.1].
+# NEURON_PLATFORM_TARGET_OVERRIDE spellings [D NKI docs, nki.simulate / target override].
 TARGET_ALIASES = {"trn1": "trn1", "inf2": "trn1", "gen2": "trn1", "trn2": "trn2", "gen3": "trn2",
                   "trn3": "trn3", "gen4": "trn3"}
-DEFAULT_TARGET = "trn3"  # the official simulator's default with no chip [D nki-spec §2.3]
+DEFAULT_TARGET = "trn3"  # the official simulator's default with no chip [D NKI docs, nki.simulate]
 
 
 def generation(target: str) -> Generation:
@@ -286,7 +286,7 @@ def peak_tflops(target: str, dtype_kind: str) -> float | None:
     """Dense TensorE peak of ONE NeuronCore in TFLOP/s for ``dtype_kind`` (bf16|fp8|mx|fp32).
 
     bf16 also covers fp16/tf32; fp8 is the double_row rate; mx is MXFP8/MXFP4 (Trn3 only: None
-    elsewhere). Use 8 x this for a chip, never the marketing chip figure [hardware.md A.1].
+    elsewhere). Use 8 x this for a chip, never the marketing chip figure.
     """
     if dtype_kind not in _DTYPE_KINDS:
         raise ValueError(f"dtype_kind must be one of {', '.join(_DTYPE_KINDS)}; got {dtype_kind!r}")
@@ -296,7 +296,7 @@ def peak_tflops(target: str, dtype_kind: str) -> float | None:
 
 
 def hbm_bw(target: str) -> float:
-    """Memory roof of ONE NeuronCore in GB/s: min(HBM share, DMA practical peak) [hardware.md C.1].
+    """Memory roof of ONE NeuronCore in GB/s: min(HBM share, DMA practical peak) [Der].
 
     Trn2: min(362.5, 368) = 362.5; Trn3: min(612.5, 528) = 528.
     """

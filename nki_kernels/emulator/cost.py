@@ -1,4 +1,4 @@
-"""Analytical NeuronCore cost model: emulator trace in, modeled device time out (hardware.md §E).
+"""Analytical NeuronCore cost model: emulator trace in, modeled device time out (docs/cost-model.md).
 
 Event-driven, in-order, multi-queue model with a small parameter table (``hardware.CostParams``):
 
@@ -12,7 +12,7 @@ Event-driven, in-order, multi-queue model with a small parameter table (``hardwa
   overlapping partitions and byte ranges; different allocation ids never conflict (fresh tiles in a
   loop body get the compiler's buffer rotation). A consumer on another engine waits a semaphore.
 
-Timing rule for instruction i on queue q (E.1)::
+Timing rule for instruction i on queue q::
 
     ready_i = max_j (end_j + lat_j [+ L_sem across engines])
     start_i = max(free_q, ready_i)       free_q = end_i = start_i + occ_i
@@ -349,7 +349,7 @@ def _contiguous(op):
 
 class _Throttle:
     """TensorE dI/dt limit: u starts at 0.5, ramps to 1 over 3 us, re-engages after a 3 us window
-    with PE busy < 50% (E.1). ``duration(start, work)`` = wall time for ``work`` ns at full rate."""
+    with PE busy < 50% [D GL]. ``duration(start, work)`` = wall time for ``work`` ns at full rate."""
 
     def __init__(self, cp):
         self.on = cp.throttle
@@ -437,7 +437,7 @@ def _kind_of(dtypes):
 
 
 class _Costs:
-    """Occupancy formulas of hardware.md E.2 / A.4 for one generation."""
+    """Per-instruction occupancy formulas (docs/cost-model.md) for one generation."""
 
     def __init__(self, gen):
         self.gen = gen
@@ -504,7 +504,7 @@ class _Costs:
 
     # ---------------------------------------------------------------- Vector / Scalar / GpSimd
     def elementwise(self, it, ins, eng):
-        """Cycles of one VectorE / ScalarE / GpSimd / Sync instruction (table E.2, A.4)."""
+        """Cycles of one VectorE / ScalarE / GpSimd / Sync instruction (docs/cost-model.md)."""
         cp, op, a = self.cp, ins.opcode, ins.attrs
         MIN = cp.min_ii
         big_reads = [o for o in ins.reads if o.on_chip and _free(o) > 1] or list(ins.reads)
@@ -606,7 +606,7 @@ class _Costs:
 
     # ---------------------------------------------------------------- DMA
     def dma(self, it, ins):
-        """Descriptors -> per-queue work (E.3). Returns (bytes moved, descriptors, hbm_r, hbm_w)."""
+        """Descriptors -> per-queue work. Returns (bytes moved, descriptors, hbm_r, hbm_w)."""
         cp, a = self.cp, ins.attrs
         it.kind = "dma"
         reads = list(ins.reads)
@@ -699,7 +699,7 @@ def _dead_psum_memsets(items):
 
     NKI's ``nc_matmul(accumulate=None)`` (the default) overwrites a PSUM location on its first
     matmul write and accumulates afterwards, and on gen2/gen3 accumulating onto PSUM that a
-    non-matmul instruction wrote is undefined (nki-spec 9.1.1; NKI ISA docs, ``nc_matmul``). So
+    non-matmul instruction wrote is undefined (NKI ISA docs, ``nki.isa.nc_matmul``). So
     the common ``memset(psum, 0)`` before a K loop is dead: its zeros are never read. The compiler
     drops dead stores; the model does the same, so the memset neither occupies VectorE nor makes
     the first matmul of the next tile wait behind the previous tile's PSUM drain on VectorE's
@@ -919,9 +919,9 @@ class _DQueue:
 
 
 class _DmaSim:
-    """16 FIFO queues per core, descriptor-level service, fluid sharing of the HBM caps (E.3).
+    """16 FIFO queues per core, descriptor-level service, fluid sharing of the HBM caps.
 
-    A triggered transfer takes one of the queue's outstanding slots (setup pipelined, E.3.4) in
+    A triggered transfer takes one of the queue's outstanding slots (setup pipelined) in
     trigger-time order, becomes eligible ``T_dma_lat`` after its setup starts, and is served FIFO
     by eligibility. Transfers are only known once the scheduler has triggered them, so the
     simulation advances one transfer completion at a time (no later trigger can be earlier).
@@ -1341,7 +1341,7 @@ class _Schedule:
         """When the LoadStationary of PE item ``it`` may start: its dependencies on other engines
         and on DMA. An earlier TensorE instruction writing the same PSUM (an accumulation chain)
         binds the MultiplyMoving stage only: LoadStationary reads SBUF into the array and
-        overlaps the previous MM whatever its PSUM target (hardware.md A.2)."""
+        overlaps the previous MM whatever its PSUM target ([D A2], docs/cost-model.md)."""
         items, end = self.items, self.end
         sem = self.cp.sem_ns
         best = t0
