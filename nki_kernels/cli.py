@@ -399,6 +399,7 @@ def _profiled_bench(harness, profile_dir, quiet=False):
         if kw.get("measured") or harness.backend_name() != "emulator":
             return harness.run(ops, tier, target, **kw)     # device: neuron-explorer capture
         cases = kw.pop("cases", None) or harness.select(ops, tier, target, kw.get("shape"))
+        on_row = kw.pop("on_row", None)         # called once the row has its profile paths
         rows = []
         for c in cases:
             with prof.capture() as got:
@@ -411,6 +412,8 @@ def _profiled_bench(harness, profile_dir, quiet=False):
                                   "modeled_summary": str(paths["summary"])}
                 if not quiet:
                     print(f"profile: {paths['trace']}", file=sys.stderr)
+            if on_row is not None:
+                on_row(row)
             rows.append(row)
         return rows
     return run

@@ -46,7 +46,8 @@ __all__ = ["MAX_EVENTS", "Profile", "capture", "profile", "profile_trace", "LANE
 
 MAX_EVENTS = 100_000
 # track order and display names; DMA queues follow as "DMA q00".."DMA q15"
-LANES = {"launch": "Launch overhead", "tensor": "TensorE (PE)", "vector": "VectorE (DVE)",
+LANES = {"launch": "Launch overhead", "tensor": "TensorE (PE)",
+         "tensor_bg": "TensorE (PE) background transposes", "vector": "VectorE (DVE)",
          "scalar": "ScalarE (ACT)", "gpsimd": "GpSimd (POOL)", "sync": "Sync (SP)"}
 _ISSUER_LANE = {"sp": "sync", "scalar": "scalar", "gpsimd": "gpsimd"}
 _NOTE = "modeled by the nki-kernels analytical cost model, not a measurement"
@@ -166,6 +167,7 @@ class Profile:
         self.boxes = []
         self.launch_boxes = []
         self.crit = []
+        self.elided = []                # instructions the model drops (dead PSUM memsets): no box
         for (a, b, t0, sim) in schedules or []:
             self._read(a, b, t0, sim)
         self._assign_sublanes()
@@ -190,8 +192,13 @@ class Profile:
                 self.work[g] = sum(w for (_, w, _) in (it.segs or ()))
             else:
                 lane = it.q or ins.engine
+                if lane == "tensor" and it.bg:
+                    lane = "tensor_bg"              # Trn3: transposes on their own PE lane
                 be = e
             self.lane[g], self.busy_end[g] = lane, be
+            if getattr(it, "dead", False):
+                self.elided.append(g)
+                continue
             boxes.append(_Box(g, ins.program, lane, s, be, "instruction"))
         for (i, prog, k, st, en) in (sim.dmasim.log or ()):
             boxes.append(_Box(a + i, prog, f"q{k:02d}", st + t0, en + t0, "dma"))
@@ -248,6 +255,7 @@ class Profile:
         prev = self.start[self.crit[0]] if self.crit else 0.0
         for g in self.crit:
             eng = "dma" if self.instructions[g].engine == "dma" else self.lane[g]
+            eng = "tensor" if eng == "tensor_bg" else eng
             crit_by[eng] += max(0.0, self.end[g] - max(self.start[g], prev))
             prev = max(prev, self.end[g])
         crit_time = (self.end[self.crit[-1]] - self.start[self.crit[0]]) if self.crit else 0.0
@@ -261,7 +269,8 @@ class Profile:
             if ins.engine == "dma":
                 key, t = ("dma", ins.opcode, _src(ins.src)), dma_time.get(g, 0.0)
             else:
-                key, t = (self.lane[g], ins.opcode, _src(ins.src)), self.busy_end[g] - self.start[g]
+                key = (self.lane[g].replace("_bg", ""), ins.opcode, _src(ins.src))
+                t = self.busy_end[g] - self.start[g]
             gr = groups[key]
             gr[0] += 1
             gr[1] += t
@@ -330,6 +339,8 @@ class Profile:
             "name": self.name, "target": rep.target, "lnc": rep.lnc, "note": _NOTE,
             "total_ns": rep.total_ns, "makespan_ns": mk, "launch_ns": rep.launch_ns,
             "n_launches": rep.n_launches, "n_instructions": rep.n_instructions,
+            "elided": len(self.elided),
+            "end_to_end_ns": float(getattr(rep, "end_to_end_ns", rep.total_ns)),
             "engine_busy_ns": dict(rep.engine_busy_ns), "binding_engine": rep.binding_engine,
             "per_core": cores,
             "critical_path": {"time_ns": crit_time, "instructions": len(self.crit),
@@ -349,7 +360,9 @@ class Profile:
         out = [f"modeled profile of {d['name']} on {d['target']} (LNC={d['lnc']}): "
                f"{d['total_ns'] * us:.3f} us  [{_NOTE}]",
                f"  {d['n_launches']} launch(es) x {d['launch_ns'] * us:.2f} us overhead + "
-               f"{d['makespan_ns'] * us:.3f} us makespan; {d['n_instructions']} instructions",
+               f"{d['makespan_ns'] * us:.3f} us makespan; {d['n_instructions']} instructions"
+               + (f" ({d['elided']} dropped by the compiler as dead)" if d["elided"] else ""),
+               f"  end to end with the host-side launch overhead: {d['end_to_end_ns'] * us:.3f} us",
                "", "  per-engine busy / idle (modeled):"]
         hdr = f"    {'engine':<16}" + "".join(
             f"{'core ' + str(p) + ' busy us':>16}{'busy %':>8}{'idle us':>10}"
@@ -466,6 +479,7 @@ class Profile:
                               "kernel": self.name, "target": rep.target, "lnc": rep.lnc,
                               "total_ns": rep.total_ns, "n_instructions": rep.n_instructions,
                               "boxes": n_boxes, "aggregated": aggregated,
+                              "elided": self.elided,
                               "max_events": self.max_events, "flows": fid}}
 
     def _args(self, g):
@@ -593,7 +607,9 @@ def side_by_side(device: dict, modeled: dict, label: str = "") -> str:
 _COLOURS = {"nc_matmul": 0, "nc_matmul_mx": 0, "nc_transpose": 1, "dma_copy": 14,
             "dma_transpose": 15, "tensor_copy": 9, "activation": 10, "activate2": 11,
             "exponential": 4, "tensor_scalar": 5, "tensor_tensor": 2, "tensor_reduce": 3,
-            "tensor_scalar_reduce": 6, "memset": 7, "iota": 13, "reciprocal": 12}
+            "tensor_scalar_reduce": 6, "memset": 7, "iota": 13, "reciprocal": 12,
+            "range_select": 16, "activation_reduce": 17, "tensor_tensor_scan": 18,
+            "affine_select": 19, "bn_stats": 8}
 
 
 def _colour(op, palette):
@@ -605,8 +621,9 @@ def _colour(op, palette):
 def gantt(doc, png, *, t0_us=None, t1_us=None, title=None, arrows=True, arrows_max=400,
           width=12.0):
     """Render a trace document (``Profile.trace_json()`` or a loaded ``.trace.json``) as a Gantt
-    chart PNG: one row per track, boxes coloured by opcode, dependency arrows in grey; the window
-    ``[t0_us, t1_us]`` zooms in. Needs matplotlib (``pip install 'nki-kernels[bench]'``)."""
+    chart PNG: one row per track, boxes coloured by opcode, the dependency arrows in grey when the
+    window holds at most ``arrows_max`` of them; the window ``[t0_us, t1_us]`` zooms in. Needs
+    matplotlib (``pip install 'nki-kernels[bench]'``)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -637,19 +654,12 @@ def gantt(doc, png, *, t0_us=None, t1_us=None, title=None, arrows=True, arrows_m
         bars[(row[k], op)].append((e["ts"], max(e["dur"], (hi - lo) * 2e-4)))
     for (r, op), spans in bars.items():
         ax.broken_barh(spans, (r - 0.4, 0.8), facecolors=colours[op], edgecolors="none")
-    n_arrows = 0
-    if arrows:
-        starts = {}
-        for e in ev:
-            if e["ph"] == "s":
-                starts[e["id"]] = e
-        for e in ev:
-            s = starts.get(e["id"]) if e["ph"] == "f" else None
-            if s is None or (s["pid"], s["tid"]) not in row or (e["pid"], e["tid"]) not in row:
-                continue
-            if not (lo <= s["ts"] <= hi and lo <= e["ts"] <= hi) or n_arrows >= arrows_max:
-                continue
-            n_arrows += 1
+    starts = {e["id"]: e for e in ev if e["ph"] == "s"}
+    pairs = [(starts[e["id"]], e) for e in ev if e["ph"] == "f" and e["id"] in starts]
+    pairs = [(s, e) for s, e in pairs if (s["pid"], s["tid"]) in row and (e["pid"], e["tid"]) in row
+             and lo <= s["ts"] <= hi and lo <= e["ts"] <= hi]
+    if arrows and len(pairs) <= arrows_max:
+        for s, e in pairs:
             ax.annotate("", xy=(e["ts"], row[(e["pid"], e["tid"])]),
                         xytext=(s["ts"], row[(s["pid"], s["tid"])]),
                         arrowprops={"arrowstyle": "->", "color": "0.35", "lw": 0.6,
