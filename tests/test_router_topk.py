@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from nki_kernels import router_topk
+from nki_kernels.emulator import target
 from nki_kernels.reference.router_topk import router_topk_ref
 from nki_kernels.reference.shapes import DEEPSEEK_V3, QWEN3_30B_A3B
 
@@ -118,5 +119,9 @@ def test_rejects_bad_input(rng):
         router_topk(x, 2, correction_bias=np.zeros(8, np.float32))
     with pytest.raises(TypeError, match=r"routed_scaling must be a number"):
         router_topk(x, 2, routed_scaling="2")
+    with pytest.raises(TypeError, match=r"renormalize must be True or False; got 'no'"):
+        router_topk(x, 2, renormalize="no")
+    with target("trn1"), pytest.raises(ValueError, match=r"router_topk: target trn1 is not "):
+        router_topk(x, 2)
     with pytest.raises(ValueError, match=r"at most 16384 experts are supported; got E=16385"):
         router_topk(np.zeros((1, 16385), np.float32), 2)

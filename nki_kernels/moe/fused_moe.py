@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import check_2d, check_dtype, dtype_name, is_torch
+from .._validate import check_2d, check_dtype, check_no_grad, check_target, dtype_name, is_torch
 from ..backend import launch, nisa, nki, nl
 from ..dense import _tiles as D
 from ..dense._tiles import P, cdiv, tile_weight
@@ -540,6 +540,9 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
       y [T, H] bfloat16.
     """
     name = "fused_moe"
+    gen = check_target(name)
+    check_no_grad(name, x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale,
+                  *(shared or ()), *(shared_scales or ()))
     T, H = check_2d(name, "x", x)
     check_dtype(name, "x", x, ("bfloat16",))
     tiled = len(getattr(w_gate_up, "shape", ())) == 5
@@ -578,10 +581,6 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
             raise ValueError(f"{name}: topk_ids[{t}, {j}] = {ids[t, j]} is outside [0, "
                              f"num_global_experts={ng})")
     if fp8:
-        gen = int(nisa.get_nc_version())
-        if gen < 3:
-            raise ValueError(f"{name}: FP8 weights need Trn2 or Trn3 (double_row); target is "
-                             f"gen{gen}")
         if wdt == "float8_e4m3fn" and gen < 4:
             raise ValueError(f"{name}: float8_e4m3fn weights need Trn3; on Trn2 use float8_e4m3")
         if H % P or I % P:

@@ -12,7 +12,7 @@ free-dim operation: the scoring on ScalarE/VectorE, the selection with the 8-wid
 """
 from __future__ import annotations
 
-from .._validate import check_2d, check_dtype, float_vector
+from .._validate import check_2d, check_dtype, check_flag, check_no_grad, check_target, float_vector
 from ..backend import launch, nisa, nki, nl
 
 P = 128
@@ -186,6 +186,8 @@ def router_topk(logits, top_k, *, scoring="softmax", renormalize=True, n_groups=
       go to the lower expert id.
     """
     name = "router_topk"
+    check_target(name)
+    check_no_grad(name, logits, correction_bias)
     T, E = check_2d(name, "logits", logits)
     check_dtype(name, "logits", logits, ("float32", "bfloat16"))
     if E > 16384:
@@ -216,8 +218,9 @@ def router_topk(logits, top_k, *, scoring="softmax", renormalize=True, n_groups=
         bias = float_vector(name, "correction_bias", correction_bias, E)
     if not isinstance(routed_scaling, (int, float)) or isinstance(routed_scaling, bool):
         raise TypeError(f"{name}: routed_scaling must be a number; got {routed_scaling!r}")
+    renormalize = check_flag(name, "renormalize", renormalize)
     return launch(router_topk_kernel, logits, bias, top_k, scoring == "softmax",
-                  bool(renormalize), G, topk_groups or 0, float(routed_scaling))
+                  renormalize, G, topk_groups or 0, float(routed_scaling))
 
 
 __all__ = ["router_topk", "router_topk_kernel"]
