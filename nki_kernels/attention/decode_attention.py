@@ -51,6 +51,8 @@ MAX_S_Q = 8
 MM_N = 512            # score columns per QK^T matmul (one fp32 PSUM bank)
 TR_GROUP = 8          # 128-key transposes per PSUM buffer (2 KiB of bf16)
 PREFETCH = 2          # KV tiles loaded ahead of the one being computed
+V_BEHIND = 1          # V loads issued this many tiles behind K loads (the last K lands before the
+                      # last V: 84.7 -> 80.6 us on Llama-3-8B B=1 L=8K, Trn3; 113 -> 108 Trn2)
 LAGS = (0, 1, 2, 3)   # pipeline lags (in jobs) of the stages K^T, QK^T + softmax, P^T, PV: every
                       # PSUM eviction has a whole step to finish before TensorE needs its result
 # Paged gather: "page" (a register-addressed DMA per page) models at 73% of the HBM roof on
@@ -226,6 +228,17 @@ def _tile_stream(mine, lay):
     return tiles
 
 
+def _weave(a, b, ratio):
+    """Run generators ``a`` and ``b`` to the end, ``ratio`` steps of ``a`` per step of ``b``."""
+    gens = [g for g in (a, b) if g is not None]
+    while gens:
+        for g, k in list(zip(gens, (ratio, 1) if len(gens) == 2 else (1,))):
+            for _ in range(k):
+                if next(g, StopIteration) is StopIteration:
+                    gens.remove(g)
+                    break
+
+
 def _table_row(block_table, it, lay):
     """The block-table entries of the pages item ``it`` reads: int32 SBUF ``[1, pages]``, one
     contiguous DMA (entries past the sequence's end are not read)."""
@@ -274,7 +287,10 @@ class _Run:
         loaded = {}
         fp8 = self.kc.dtype not in (nl.bfloat16, nl.float16)
 
-        def fetch(j):
+        def fetch(j, which):
+            """Issue the K ("k") or V ("v") loads of tile j; V runs V_BEHIND tiles behind K, so
+            the queues deliver each tile's K first (stage A needs it three steps before stage D
+            needs V) and the last K lands before the last V."""
             ii, c, k0, n, _ = tiles[j]
             it = mine[ii]
             if ii not in groups:
@@ -284,47 +300,63 @@ class _Run:
                                for a in range(it.k0, it.k1, P * lay.tile_keys)]
                 elif lay.paged:
                     idx[ii] = _table_row(self.bt, it, lay)
-            kt = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=self.kc.dtype, buffer=nl.sbuf)
-            vt = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=self.vc.dtype, buffer=nl.sbuf)
+            cache = self.kc if which == "k" else self.vc
+            t = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=cache.dtype, buffer=nl.sbuf)
+            zero = fp8 and which == "k"                                 # K^T by matmul
             if lay.paged and self.cfg.gather == "page":
-                load_kv_tile_pages([(kt, self.kc, fp8), (vt, self.vc, False)], lay, it.b, k0, n,
-                                   idx[ii], it.k0 // lay.block_size)
+                load_kv_tile_pages([(t, cache, zero)], lay, it.b, k0, n, idx[ii],
+                                   it.k0 // lay.block_size)
             else:
                 col = idx[ii][c // P][:, c % P:c % P + 1] if lay.paged else None
-                load_kv_tile(kt, self.kc, lay, it.b, k0, n, col, zero_tail=fp8)  # K^T by matmul
-                load_kv_tile(vt, self.vc, lay, it.b, k0, n, col)
-            loaded[j] = (kt, vt, lay)
+                load_kv_tile(t, cache, lay, it.b, k0, n, col, zero_tail=zero)
+            loaded.setdefault(j, {})[which] = t
+
+        def prefetch(j):
+            last = min(len(tiles) - 1, j + PREFETCH)
+            for jj in range(j, last + 1):
+                if "k" not in loaded.get(jj, {}):
+                    fetch(jj, "k")
+                jv = jj - V_BEHIND if jj < len(tiles) - 1 else jj     # the last V follows K
+                for v in range(j, jv + 1):
+                    if "v" not in loaded.get(v, {}):
+                        fetch(v, "v")
+            if "v" not in loaded.get(j, {}):
+                fetch(j, "v")
 
         jobs = [(j, gi) for j in range(len(tiles)) for gi in range(self.cfg.n_groups)]
         state = {}
         steps = len(jobs) + LAGS[-1]
         for step in range(steps):
-            for stage in range(4):
-                ji = step - LAGS[stage]
-                if not 0 <= ji < len(jobs):
-                    continue
-                j, gi = jobs[ji]
+            ja, jd = step - LAGS[0], step - LAGS[3]
+            gen_a = gen_d = None
+            if 0 <= ja < len(jobs):
+                j, gi = jobs[ja]
                 ii, c, k0, n, last = tiles[j]
-                it = mine[ii]
-                if stage == 0:
-                    for jj in range(j, min(len(tiles), j + PREFETCH + 1)):
-                        if jj not in loaded and jj >= j:
-                            fetch(jj)
-                    kt, vt, tl = loaded[j]
-                    grp = groups[ii][gi]
-                    state[ji] = _Job(it, grp, kt, vt, k0, n, tl)
-                    self.stage_kT(state[ji])
-                    if gi == self.cfg.n_groups - 1:
-                        loaded.pop(j)
-                elif stage == 1:
-                    self.stage_softmax(state[ji])
-                elif stage == 2:
-                    self.stage_pT(state[ji])
-                else:
-                    job = state.pop(ji)
-                    self.stage_pv(job)
-                    if last and gi == self.cfg.n_groups - 1:
-                        self.finish(it, groups.pop(ii))
+                prefetch(j)
+                kt, vt = loaded[j]["k"], loaded[j]["v"]
+                state[ja] = _Job(mine[ii], groups[ii][gi], kt, vt, k0, n, lay)
+                gen_a = self.stage_kT(state[ja])
+                if gi == self.cfg.n_groups - 1:
+                    loaded.pop(j)
+            done = None
+            if 0 <= jd < len(jobs):
+                done = state.pop(jd)
+                gen_d = self.stage_pv(done)
+            # per step: A(j), B(j-1), C(j-2), D(j-3). (Weaving A's K^T transposes between D's
+            # PV matmuls, for Trn3's background transposes, modeled slower: 112 vs 85 us on
+            # Llama-3-8B B=1 L=8K -- A waits for its tile's DMA and held the PV matmuls back.)
+            _weave(gen_a, None, 1)
+            for stage in (1, 2):
+                ji = step - LAGS[stage]
+                if 0 <= ji < len(jobs):
+                    (self.stage_softmax if stage == 1 else self.stage_pT)(state[ji])
+            _weave(gen_d, None, 1)
+            if done is not None:
+                self.stage_accumulate(done)
+                j, gi = jobs[jd]
+                ii, c, k0, n, last = tiles[j]
+                if last and gi == self.cfg.n_groups - 1:
+                    self.finish(done.it, groups.pop(ii))
 
     # -- per item ---------------------------------------------------------------------------------
     def start(self, it):
@@ -415,7 +447,7 @@ class _Run:
     # -- per tile and row group: three pipeline stages ----------------------------------------
     def stage_kT(self, job):
         """K^T of each head of the group, key order restored on eviction (column p*T + t comes
-        from transpose t of partition p)."""
+        from transpose t of partition p). A generator: yields after each transpose."""
         cfg, lay, DT = self.cfg, job.lay, self.DT
         T, npp, ncol, kt = lay.T, job.npp, job.ncol, job.kt
         fp8 = kt.dtype not in (nl.bfloat16, nl.float16)
@@ -438,6 +470,7 @@ class _Run:
                         else:
                             nisa.nc_transpose(dst=tp[0:dsz, t - t0, 0:npp], data=src,
                                               engine=nisa.engine.tensor)
+                        yield
                     dstv = kT[0:dsz, dt, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
                     self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
             job.kTs.append(kT)
@@ -506,10 +539,11 @@ class _Run:
         job.pT = pT
 
     def stage_pv(self, job):
-        """O[slot rows] = sum_t P^T[t].T @ V[t, head] (PE column tiles), then o = alpha o + O."""
+        """O[slot rows] = sum_t P^T[t].T @ V[t, head] (PE column tiles), then o = alpha o + O.
+        A generator: yields after each slice t."""
         cfg, lay = self.cfg, job.lay
         grp, n, vt, pT = job.grp, job.n, job.vt, job.pT
-        T, rows, W = lay.T, grp.rows, cfg.W
+        T, W = lay.T, cfg.W
         tiled = W < P
         O = nl.ndarray((P, cfg.d), dtype=nl.float32, buffer=nl.psum)              # [rows, d]
         for t in range(T):                       # slots innermost (PE column tiles overlap)
@@ -521,7 +555,14 @@ class _Run:
                 kw = dict(tile_position=(0, r0), tile_size=(P, W)) if tiled else {}
                 nisa.nc_matmul(dst=O[r0:r0 + W, 0:cfg.d], stationary=pT[0:kp, t, r0:r0 + W],
                                moving=vt[0:kp, t, h, :], accumulate=t > 0, **kw)
-        grp.sm.accumulate_o(O[0:rows, :], job.alpha, mode="stt", copy_engine="vector")
+            yield
+        job.O = O
+
+    def stage_accumulate(self, job):
+        """o = alpha o + O (VectorE), issued after the step's other ScalarE/VectorE work."""
+        job.grp.sm.accumulate_o(job.O[0:job.grp.rows, :], job.alpha, mode="stt",
+                                copy_engine="vector")
+        job.O = None
 
     def _evict(self, dst, src):
         """PSUM -> SBUF copies spread over ScalarE and VectorE (share cfg.kt_act on ScalarE)."""
