@@ -444,6 +444,11 @@ class NkiTensor:
                 # bound: r plus the count of the pattern dim that walks the indexed dim, as for
                 # nl.ds(r, n): A.ap([[512, 128], [1, 256]], scalar_offset=r) needs r + 128 <= 512
                 rows = next((c for s, c in pattern if s == m), 1)
+                # an access pattern addresses the allocation, not the view: a pattern may walk
+                # more rows of the indexed stride than the view's dim has (a [1, N] view read
+                # as 32 rows); the bound is then the rows of that stride inside the allocation
+                if rows > extent and m > 0:
+                    extent = max(extent, (self.storage.nbytes // dtype.itemsize - base) // m)
                 dyn = (_Dyn(scalar_offset, m, extent, rows),)
             else:
                 if self.on_chip:
