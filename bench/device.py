@@ -1,7 +1,8 @@
 """The measured path of the bench: device time on a Trainium NeuronCore.
 
 Used when the real ``nki`` package runs kernels on a Neuron device (``nki_kernels.backend.BACKEND
-== "hardware"``). Written from the Neuron SDK documentation (hardware.md B.1-B.4); it has not
+== "hardware"``). Written from the Neuron SDK documentation (the Neuron Explorer /
+neuron-profile user guide and the nrtpy benchmark API, AWS Neuron documentation); it has not
 been run on a device, because none was available when it was written.
 
 How a case is measured:
@@ -228,7 +229,7 @@ def capture_profile(neff, inputs, profile_dir) -> dict:
 
     ``<tool> capture -n k.neff -s k.ntff --profile-nth-exec=2`` then
     ``<tool> view -n k.neff -s <ntff> --output-format summary-json``. MBU there uses one HBM
-    stack as denominator (hardware.md B.2); the row labels it so.
+    stack as denominator (Neuron Explorer profile schema reference); the row labels it so.
     """
     tool = profiler()
     if tool is None:

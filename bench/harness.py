@@ -38,7 +38,8 @@ import numpy as np
 
 from nki_kernels.bench import defs, roofline
 
-# hardware.md B.4: below ~10 us, launch overhead and the dI/dt ramp dominate a kernel
+# below ~10 us, launch overhead (microseconds per call) and TensorE's power ramp-up dominate a
+# kernel on a device (NKI performance guide, AWS Neuron documentation)
 SHORT_KERNEL_US = 10.0
 TIER_NAMES = ("default", "fast", "odd", "models")
 DEFAULT_TIER = "default"

@@ -1,6 +1,6 @@
 """Roofline math for the bench: peaks, the binding roof of a row, and the roofline plot.
 
-Denominators follow conventions.md (Bench) and hardware.md B.4 / C.1:
+Denominators (docs/bench.md, "How a row is computed"; figures and sources in docs/cost-model.md):
 
 * compute roof: per-NeuronCore TensorE peak for the operand kind x cores used (LNC);
 * memory roof: min(HBM share per NC, DMA practical peak per NC) x cores used;
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 KINDS = ("bf16", "fp8", "mx", "fp32")
 
-# Per NeuronCore [hardware.md A.2]: TensorE 128x128 at 2.4 GHz -> 78.6 TF bf16 [Der], fp8
+# Per NeuronCore (NeuronCore-v3 / v4 pages of the AWS Neuron documentation; derivation in
+# docs/cost-model.md): TensorE 128x128 at 2.4 GHz -> 78.6 TF bf16, fp8
 # double_row 2x, MXFP8/MXFP4 4x (Trn3 only), fp32 1/4 rate. None = not supported on that target.
 _PEAK_TFLOPS = {
     "trn2": {"bf16": 78.6, "fp8": 157.0, "mx": None, "fp32": 19.7},
@@ -138,7 +139,10 @@ def ridge(target: str, kind: str = "bf16") -> float:
 def plot(rows, path, target: str, title: str | None = None) -> bool:
     """Write a log-log roofline PNG (arithmetic intensity vs TFLOP/s) of ``rows`` (dicts from the
     harness) for ``target``. Roofs and points are per NeuronCore: an LNC=2 row is drawn at its
-    TFLOP/s / 2. Returns False, with nothing written, when matplotlib is missing."""
+    TFLOP/s / 2. Only the TensorE roofs of the dtypes the rows use are drawn, and the memory roof
+    as its own line. Points are numbered (one colour per op) and listed beside the plot with op,
+    shape, dtype and % of roof, so labels never pile up. Returns False, with nothing written,
+    when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -148,42 +152,59 @@ def plot(rows, path, target: str, title: str | None = None) -> bool:
     t = _target(target)
     pts = [r for r in rows if r.get("target") == t and r.get("time_us") and r.get("flops")
            and r.get("bytes")]
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    kinds = [k for k in KINDS if _supported(t, k) and any(r.get("roof_kind") == k for r in pts)]
+    kinds = kinds or ["bf16"]
+    n = len(pts)
+    per_col = 40
+    ncols = max(1, -(-n // per_col))
+    height = max(5.0, 0.9 + 0.155 * min(n, per_col))
+    fig = plt.figure(figsize=(7.5 + 4.2 * ncols, height), dpi=110)
+    ax = fig.add_axes((0.07, 0.1, 0.88 * 7.0 / (7.5 + 4.2 * ncols), 0.8))
     ais = [r["flops"] / r["bytes"] for r in pts]
     lo = min([0.5] + [a / 2 for a in ais])
-    hi = max([4 * ridge(t, k) for k in KINDS if _supported(t, k)] + [a * 2 for a in ais])
-    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    hi = max([4 * ridge(t, k) for k in kinds] + [a * 2 for a in ais])
     bw = hbm_bw(t)
+    top = max(peak_tflops(t, k) for k in kinds)
     styles = {"bf16": "-", "fp8": "--", "mx": "-.", "fp32": ":"}
-    for kind in KINDS:
-        if not _supported(t, kind):
-            continue
+    for kind in kinds:
         peak = peak_tflops(t, kind)
-        ax.plot(xs, [min(peak, x * bw / 1e3) for x in xs], styles[kind], color="0.35", lw=1.2,
-                label=f"TensorE {kind} {peak:g} TF")
-    ax.plot([], [], " ", label=f"memory roof {bw:g} GB/s")
+        r0 = peak * 1e3 / bw                                  # ridge point
+        ax.plot([r0, hi], [peak, peak], styles[kind], color="0.3", lw=1.3,
+                label=f"TensorE {kind} {peak:.1f} TF/s")
+    ax.plot([lo, top * 1e3 / bw], [lo * bw / 1e3, top], "-", color="tab:red", lw=1.3, alpha=0.7,
+            label=f"memory roof {bw:g} GB/s")
     ops = sorted({r["op"] for r in pts})
     cmap = plt.get_cmap("tab10")
-    for i, op in enumerate(ops):
-        for src, marker in (("modeled", "o"), ("measured", "s")):
-            sel = [r for r in pts if r["op"] == op and r.get("source") == src]
-            if not sel:
-                continue
-            xy = [(r["flops"] / r["bytes"], r["tflops"] / r.get("lnc", 1)) for r in sel]
-            ax.scatter([x for x, _ in xy], [y for _, y in xy], color=cmap(i % 10),
-                       marker=marker, s=30, zorder=3, label=f"{op} ({src})")
-            for r, p in zip(sel, xy):
-                lnc = f" LNC={r['lnc']}" if r.get("lnc", 1) != 1 else ""
-                ax.annotate(f"{r['shape']} {r['dtype']}{lnc}", p, fontsize=6, xytext=(3, 3),
-                            textcoords="offset points", color="0.25")
+    colour = {op: cmap(i % 10) for i, op in enumerate(ops)}
+    entries = []
+    for i, r in enumerate(pts, 1):
+        x, y = r["flops"] / r["bytes"], r["tflops"] / r.get("lnc", 1)
+        marker = "s" if r.get("source") == "measured" else "o"
+        ax.scatter([x], [y], color=colour[r["op"]], marker=marker, s=22, zorder=3)
+        ax.annotate(str(i), (x, y), fontsize=6.5, xytext=(3, 2), textcoords="offset points",
+                    color="0.15")
+        lnc = f" LNC={r['lnc']}" if r.get("lnc", 1) != 1 else ""
+        pct = f"{r['pct_roof']:.0f}%" if r.get("pct_roof") is not None else "-"
+        entries.append((i, r["op"], f"{i:>2}  {r['op']}: {r['shape']}, {r['dtype']}{lnc}  {pct}"))
+    for op in ops:
+        ax.scatter([], [], color=colour[op], marker="o", s=22, label=op)
+    if any(r.get("source") == "measured" for r in pts):
+        ax.scatter([], [], color="0.5", marker="s", s=22, label="measured (squares)")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
     ax.set_xlabel("arithmetic intensity (FLOP / compulsory HBM byte)")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(title or f"nki-kernels roofline, {t} (per NeuronCore)")
+    ax.set_ylabel("TFLOP/s per NeuronCore")
+    ax.set_title(title or f"nki-kernels roofline, {t} (modeled; per NeuronCore)", fontsize=10)
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
+    x0 = 0.07 + 0.88 * 7.0 / (7.5 + 4.2 * ncols) + 0.02
+    colw = (1 - x0) / ncols
+    for c in range(ncols):
+        chunk = entries[c * per_col:(c + 1) * per_col]
+        for j, (_, op, text) in enumerate(chunk):
+            fig.text(x0 + c * colw, 0.9 - j * (0.8 / max(1, min(n, per_col) - 1) if n > 1 else 0),
+                     text[:58], fontsize=6.5, color=colour[op], va="center", family="monospace")
     fig.savefig(path)
     plt.close(fig)
     return True

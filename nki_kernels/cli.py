@@ -421,7 +421,7 @@ def _profiled_bench(harness, profile_dir, quiet=False):
 
 def _profile_device(args) -> int:
     """neuron-explorer capture of a bench op on a trn instance, beside the modeled profile.
-    Written from the Neuron docs (hardware.md B.1, B.2); never run here (no device)."""
+    Written from the Neuron docs (Neuron Explorer user guide); never run here (no device)."""
     import json
     import subprocess
     import time

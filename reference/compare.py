@@ -1,4 +1,4 @@
-"""Accuracy rules, written once for the whole test suite (conventions.md, Tests).
+"""Accuracy rules, written once for the whole test suite (docs/testing.md says which applies where).
 
 * ``assert_close``: element-wise ops and norms, per output dtype (atol, rtol).
 * ``assert_matmul_close``: a product against its fp32 reference, bounded by the output rounding

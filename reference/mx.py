@@ -1,4 +1,6 @@
-"""Pure NumPy reference for OCP microscaling (MX) as Trn3 implements it (nki-spec §9.1.2, §9.8).
+"""Pure NumPy reference for OCP microscaling (MX) as Trn3 implements it (OCP Microscaling
+Formats (MX) v1.0 specification; ``nki.isa.quantize_mx`` / ``nc_matmul_mx`` in the NKI API reference;
+the rules in our words: docs/low-precision.md).
 
 Formats: ``"float8_e4m3fn"``, ``"float8_e5m2"`` (MXFP8) and ``"float4_e2m1fn"`` (MXFP4). A scale is
 an E8M0 byte ``s`` meaning ``2**(s - 127)`` (0xFF = NaN). Scaling groups hold 32 values.

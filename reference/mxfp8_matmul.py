@@ -5,7 +5,8 @@ Quantization (OCP MX, the hardware ``quantize_mx`` rule): a matrix ``X[K, F]`` w
 the contraction (``X = A.T`` with F = M, or ``X = B`` with F = N) is cut into blocks of 32
 consecutive rows per column; each block gets one E8M0 scale byte ``s`` (value ``2**(s - 127)``,
 0xFF = NaN) with ``e = floor(log2 amax) - (Emax - 1)``, Emax 8 (e4m3fn) / 15 (e5m2) -- 2x the
-OCP sample algorithm (nki-spec §9.8) --, ``amax == 0 -> e = -127``, ``e`` clamped to [-127, 127];
+OCP MX sample algorithm (docs/low-precision.md) --, ``amax == 0 -> e = -127``, ``e`` clamped to
+[-127, 127];
 data = round-to-nearest-even of ``v / 2**e``; a block holding NaN/inf gets 0xFF and NaN data.
 
 Byte layout ("MX tiles", docs/low-precision.md). K is zero-padded to ``512 * KT``; chunk ``c``
@@ -22,7 +23,7 @@ holds rows ``512c .. 512c + 511``, row ``512c + 4p + q`` going to partition ``p`
 So one 128-column tile of an operand is one contiguous DMA run per partition (data: KT*w*4
 bytes; scales: SL*w bytes per used partition), and in SBUF chunk ``c`` is an x4 ``[128, w]``
 tile whose 16 scale rows sit at partitions ``32*(r//4) + r%4 + 4*(c%4)`` of slot ``c//4`` --
-the quadrant layout ``nc_matmul_mx`` reads (nki-spec §9.1.2).
+the quadrant layout ``nc_matmul_mx`` reads (docs/low-precision.md).
 
 Independent of the kernel (no tiling code shared, no emulator import). The block rule is
 written out here and cross-checked in the tests against ``nki_kernels.reference.mx``.

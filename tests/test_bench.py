@@ -1,7 +1,7 @@
 """The bench harness: shapes table, roofline math, an end-to-end run, the CLI.
 
 Expected numbers are worked out by hand from the documented per-NeuronCore figures
-(hardware.md A.2 / C.1): TensorE 78.6 TF bf16, 157 fp8, 315 MX (Trn3), 19.7 fp32; memory
+(docs/cost-model.md, docs/bench.md): TensorE 78.6 TF bf16, 157 fp8, 315 MX (Trn3), 19.7 fp32; memory
 min(362.5, 368) = 362.5 GB/s on Trn2, min(612.5, 528) = 528 GB/s on Trn3.
 """
 from __future__ import annotations

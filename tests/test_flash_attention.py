@@ -32,10 +32,16 @@ from nki_kernels.reference.flash_attention import (
     flops_flash_attention,
     visible_mask,
 )
-from nki_kernels.reference.shapes import FAST, ODD
+from nki_kernels.reference.shapes import DEFAULT, FAST, MODELS, ODD
 
 BF16 = ml_dtypes.bfloat16
 flash_attention = fa.flash_attention
+
+
+def _models(shapes_, default):
+    """Every MODELS shape; those of the DEFAULT tier (one per kernel regime) run by default."""
+    return [pytest.param(s, id=s.name, marks=() if s in default else pytest.mark.slow)
+            for s in shapes_]
 
 
 def _qkv(rng, B, Hq, Hkv, Sq, Skv, d, scale=1.0):
@@ -67,6 +73,20 @@ def test_shapes(tgt, rng, s):
     q, k, v = _qkv(rng, s.batch, s.n_q_heads, s.n_kv_heads, s.seq_q, s.seq_kv, s.head_dim)
     kw = dict(causal=s.causal, window=s.sliding_window or None)
     _check(flash_attention(q, k, v, **kw), q, k, v, **kw)
+
+
+@pytest.mark.parametrize("s", _models(MODELS.attention, DEFAULT.attention))
+def test_model_shapes(rng, s):
+    """One KV-head group of the model (its G query heads; one query head from S = 16K), as the
+    bench runs it, on Trn3; the last (up to 512) query rows checked: with the causal diagonal at
+    the end they attend to every key, and the reference stays small at S = 32K."""
+    Hq = 1 if s.seq_kv >= 16384 else s.n_q_heads // s.n_kv_heads
+    q, k, v = _qkv(rng, 1, Hq, 1, s.seq_q, s.seq_kv, s.head_dim)
+    kw = dict(causal=s.causal, window=s.sliding_window or None)
+    with target("trn3"):
+        o = flash_attention(q, k, v, **kw)
+    n = min(s.seq_q, 512)
+    _check(o[:, :, -n:], q[:, :, -n:], k, v, **kw)
 
 
 def test_reference_agrees_with_rule(rng):

@@ -8,9 +8,15 @@ from nki_kernels.dense.matmul import DECODE_M_MAX, matmul
 from nki_kernels.emulator import target
 from nki_kernels.reference.compare import assert_matmul_close
 from nki_kernels.reference.matmul import matmul_ref
-from nki_kernels.reference.shapes import FAST, MODELS, ODD
+from nki_kernels.reference.shapes import DEFAULT, FAST, MODELS, ODD
 
 BF16 = ml_dtypes.bfloat16
+
+
+def _models(shapes_, default):
+    """Every MODELS shape; those of the DEFAULT tier (one per kernel regime) run by default."""
+    return [pytest.param(s, id=s.name, marks=() if s in default else pytest.mark.slow)
+            for s in shapes_]
 
 
 def _inputs(rng, M, K, N, dtype=BF16, scale=1.0):
@@ -73,8 +79,7 @@ def test_large_2048_cube(rng):
     assert_matmul_close(c, a, b)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", MODELS.matmul, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", _models(MODELS.matmul, DEFAULT.matmul))
 def test_model_shapes(rng, case):
     M, K, N = case.M, case.K, case.N
     a, b = _inputs(rng, M, K, N)

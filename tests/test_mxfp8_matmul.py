@@ -2,7 +2,7 @@
 e4m3fn / e5m2, odd M, N and K, adversarial values, LNC=2, the offline weight quantizer's bytes,
 the in-kernel quantize_mx bytes, the Trn2 refusal and every other refusal.
 
-Accuracy (conventions.md, quantized matmul): the global similarity with the bf16 product, and the
+Accuracy (docs/testing.md, quantized matmul): the global similarity with the bf16 product, and the
 max error against the fp32 product of the *dequantized* inputs bounded by the fp32 accumulation
 rule of reference.compare (the MX matmul must be exact up to accumulation order).
 """
@@ -22,9 +22,15 @@ from nki_kernels.reference.mxfp8_matmul import (
     quantize_mx_kmajor,
     untile_layout,
 )
-from nki_kernels.reference.shapes import FAST, MODELS, ODD
+from nki_kernels.reference.shapes import DEFAULT, FAST, MODELS, ODD
 
 BF16 = ml_dtypes.bfloat16
+
+
+def _models(shapes_, default):
+    """Every MODELS shape; those of the DEFAULT tier (one per kernel regime) run by default."""
+    return [pytest.param(s, id=s.name, marks=() if s in default else pytest.mark.slow)
+            for s in shapes_]
 
 
 def inputs(rng, M, K, N, scale=1.0):
@@ -183,8 +189,7 @@ def test_lnc2(rng):
     assert_matmul_close(d1, da[:5], db[:, :200])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", MODELS.mx_matmul, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", _models(MODELS.mx_matmul, DEFAULT.mx_matmul))
 def test_model_shapes(rng, case):
     a, b = inputs(rng, case.M, case.K, case.N)
     c = mm(mx_of(a.T), quantize_weights_mx(b), out_dtype="float32")

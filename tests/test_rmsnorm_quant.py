@@ -21,10 +21,16 @@ from nki_kernels.reference import mx as mxref
 from nki_kernels.reference import rmsnorm_quant as R
 from nki_kernels.reference.compare import cosine_similarity
 from nki_kernels.reference.mxfp8_matmul import dequantize_mx_kmajor, untile_layout
-from nki_kernels.reference.shapes import FAST, MODELS, ODD
+from nki_kernels.reference.shapes import DEFAULT, FAST, MODELS, ODD
 
 BF16 = ml_dtypes.bfloat16
 ODD_T = (1, 7, 1000)            # issue: odd token counts
+
+
+def _models(shapes_, default):
+    """Every MODELS shape; those of the DEFAULT tier (one per kernel regime) run by default."""
+    return [pytest.param(s, id=s.name, marks=() if s in default else pytest.mark.slow)
+            for s in shapes_]
 
 
 def default_fp8(tgt):
@@ -211,8 +217,7 @@ def test_fp8_large_h_and_lnc2(tgt, rng):
     assert_scales_equal(s2, s1)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shape", MODELS.rmsnorm, ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", _models(MODELS.rmsnorm, DEFAULT.rmsnorm))
 def test_fp8_model_shapes(tgt, rng, shape):
     x = rng.standard_normal((shape.tokens, shape.hidden)).astype(BF16)
     g = rng.standard_normal(shape.hidden).astype(BF16)

@@ -12,9 +12,9 @@ ratio (TFLOP/s, % of peak) is that of the full shape. The shape name says which 
 FLOPs count attended (query, key) pairs only (causal: the lower triangle; window: the band),
 4 * d per pair, from ``reference.flash_attention``.
 
-Ceilings (hardware.md C.2): one exponential per attended pair, on ScalarE on Trn2 (128 lanes x
-1.2 GHz = 153.6 G/s: exactly the TensorE peak at d = 128, half of it at d = 64) and on VectorE
-on Trn3 (``exponential``, 4x ScalarE).
+Ceilings (docs/attention.md, exponential): one exponential per attended pair, on ScalarE on
+Trn2 (128 lanes x 1.2 GHz = 153.6 G/s: exactly the TensorE peak at d = 128, half of it at
+d = 64) and on VectorE on Trn3 (``exponential``, 4x ScalarE).
 
 Goal: at least 70% of the Trn3 bf16 TensorE peak for the Llama-3-8B shapes at S = 8192 (d = 128
 and the d = 64 variant), the attention issue's target; the other rows report without a goal.
@@ -38,7 +38,8 @@ from nki_kernels.reference.flash_attention import (
 )
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-# exponentials per second per NeuronCore (hardware.md A.4 / C.2)
+# exponentials per second per NeuronCore: ScalarE 128 lanes x 1.2 GHz; VectorE's exponential 4x
+# (NKI Trainium2 / Trainium3 architecture guides, AWS Neuron documentation)
 EXP_PER_S = {"trn2": 128 * 1.2e9, "trn3": 4 * 128 * 1.2e9}
 LONG = 16384            # from this length the model slice is a single query head
 

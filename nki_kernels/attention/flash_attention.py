@@ -14,7 +14,7 @@ Per 128 query rows x 2048-key block (two 1024-key score halves), Trn3 first:
   fused; VectorE's ``exponential`` (4x ScalarE) makes P;
 * Trn2: VectorE evicts every score with its row max, ScalarE's exp applies the scale;
 * half of the P^T (3/4 on Trn2) comes from SBUF->SBUF DMA transposes: no TensorE time, no PSUM
-  eviction (the exp and transpose ceilings of hardware.md C.2);
+  eviction (the exp and transpose ceilings: docs/attention.md);
 * the four stages of consecutive blocks are software-pipelined so that every engine's in-order
   queue holds independent work; PSUM buffers are allocated once and rotated.
 """

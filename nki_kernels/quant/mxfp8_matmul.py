@@ -15,7 +15,8 @@ are the contraction (``X = A.T`` with F = M, or ``X = B`` with F = N), K zero-pa
 
 A column tile is therefore one contiguous DMA run per partition; in SBUF chunk c is an x4
 ``[128, w]`` tile (contraction on partitions) and its 16 scale rows sit at partitions
-``32*(r//4) + r%4 + 4*(c%4)`` of slot ``c//4`` (nki-spec §9.1.2), so four chunks share a slot.
+``32*(r//4) + r%4 + 4*(c%4)`` of slot ``c//4`` (docs/low-precision.md; ``nki.isa.nc_matmul_mx``
+in the NKI API reference), so four chunks share a slot.
 """
 from __future__ import annotations
 
@@ -215,7 +216,8 @@ def mxfp8_matmul_kernel(a, a_scale, b, b_scale, K, a_x4, b_x4, out_dtype, nb, tn
             mtp = a_q.shape[3]
             # output rows at partitions 0..mt-1 would all go out through the DMA queues that
             # also carry the scales; in decode, spread the column slots over the quadrants
-            # (engines may shift partitions by whole quadrants / halves, nki-spec §8.1 item 10)
+            # (an engine access of <= 32 partitions starts at 0/32/64/96, of <= 64 at 0/64: the NKI
+            # architecture guide's start-partition rule)
             decode = len(my_tiles) == 1 and len(groups) > 1
             slots = (4 if mt <= 32 else 2 if mt <= 64 else 1) if decode else 1
             out_sb = nl.ndarray((mt if slots == 1 else P, nbb), dtype=out_dtype,
@@ -407,7 +409,8 @@ def _quantize_a_tile(a, a_q, a_s, ident, K, m0, mt):
     """bf16 A[m0:m0+mt, :] -> a_q [128, 1, KT, mtp] x4 (A.T) + a_s, via TensorE transposes.
 
     A tile of <= 64 rows (decode) is spread over the quadrants (<= 32 rows) or halves: chunks
-    [Q*cq, (Q+1)*cq) at partitions Q*128/nq.. (the start rule of nki-spec §8.1 item 10). Its load
+    [Q*cq, (Q+1)*cq) at partitions Q*128/nq.. (the start-partition rule: an access of <= 32
+    partitions starts at 0/32/64/96). Its load
     then uses all the DMA queues it can rather than the first few, and each transpose takes the
     identity block on the same partitions as its input."""
     KT = -(-K // CHUNK)

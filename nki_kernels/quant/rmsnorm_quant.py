@@ -387,8 +387,9 @@ def rmsnorm_quant_mx_kernel(x, gamma, residual, eps, mx_x4, double):
       data uint32 [128, (H/512) T], scale uint8 [64, ceil(H/2048) T] (and the updated residual),
       shared HBM; one 128-token tile = one contiguous run per partition in both.
     Notes:
-      The hardware quantize_mx scale rule (2x the OCP sample algorithm; nki-spec §9.8). TensorE
-      transposes are bit-exact, so a NaN/inf stays in its own token (whose outputs are all NaN).
+      The hardware quantize_mx scale rule (2x the OCP MX sample algorithm; docs/low-precision.md).
+      TensorE transposes are bit-exact, so a NaN/inf stays in its own token (whose outputs are all
+      NaN).
       Engines: ScalarE sum of squares (+ one chunk in 8 of the evictions), GpSimd y1, TensorE
       transposes, VectorE evictions times gamma and quantize_mx; DMA the residual add.
     Pseudocode:

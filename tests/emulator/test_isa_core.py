@@ -2,7 +2,7 @@
 
 Inputs are chosen so that the fp32 expectation is exact (small integers, powers of two) wherever
 the instruction's result is compared bit for bit; transcendental activations use a tolerance.
-Spec references: nki-spec §5.3 (casts), §9.1 (TensorE), §9.2 (data movement), §9.3-9.5.
+References: the NKI API reference (nki.isa instructions, dtypes and casts), AWS Neuron documentation.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """NkiTensor: indexing rules, nl.ds, view methods, .ap(), aliasing through views, sentinels.
 
-Every expectation is plain NumPy indexing of the same host array (nki-spec §6). Views are
-checked by reading their elements (``t._read()``) inside a kernel and by round trips through
-instructions (DMA / tensor_copy), so a wrong stride, offset or shape fails.
+Every expectation is plain NumPy indexing of the same host array (NKI API reference: NkiTensor
+indexing and views). Views are checked by reading their elements (``t._read()``) inside a
+kernel and by round trips through instructions (DMA / tensor_copy), so a wrong stride, offset or
+shape fails.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def test_fresh_tensor_attributes():
 # ------------------------------------------------------------------------------ __getitem__
 @pytest.mark.parametrize("buf", ["sbuf", "psum"])
 def test_on_chip_index_shapes_spec_examples(buf):
-    """nki-spec §6.2: t=(64,64,64) on chip."""
+    """A 3-D tile t=(64,64,64) on chip: partition dim first (NKI tensor indexing)."""
     def body():
         t = nl.ndarray((64, 64, 64), nl.float32, buffer=getattr(nl, buf))
         return [t[0, 0, 10].shape, t[:, 0].shape, t[:, 0, 10].shape, t[0, ..., :].shape,
@@ -279,7 +280,7 @@ def test_view_to_wider_dtype_needs_divisible_last_dim():
 # ------------------------------------------------------------------------------ .ap()
 def test_ap_scalar_offset_spec_example():
     """A(512,512).ap([[512,128],[1,256]], offset=0, scalar_offset=r, indirect_dim=0) ==
-    A[r:r+128, 0:256] (nki-spec §6.4)."""
+    A[r:r+128, 0:256] (NKI API reference: access patterns, .ap())."""
     a = np.arange(512 * 512, dtype=np.float32).reshape(512, 512)
     r_np = np.array([[37]], dtype=np.int32)
 
