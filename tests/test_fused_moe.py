@@ -8,7 +8,7 @@ import pytest
 
 from nki_kernels import fused_moe, tile_expert_weights, tile_weight
 from nki_kernels.emulator import target, trace
-from nki_kernels.moe.fused_moe import choose_block, plan_prefill_routing
+from nki_kernels.moe.fused_moe import choose_blocks, plan_prefill_routing
 from nki_kernels.reference.compare import assert_rows_close, cosine_similarity
 from nki_kernels.reference.fused_moe import fused_moe_ref
 from nki_kernels.reference.shapes import FAST, ODD
@@ -200,17 +200,31 @@ def test_torch_in(rng):
 
 # ---------------------------------------------------------------------------- the plan
 def test_block_choice_and_padding():
-    assert choose_block([256] * 8, 512) == 256                 # one full block per expert
-    assert choose_block([20, 30], 512) == 128                  # below the ridge: the smallest
-    assert choose_block([250, 240], 512) == 256                # one block each, least padding
-    assert choose_block([300, 290], 512) == 384                # 1 x 384 each beats 3 x 128
-    assert choose_block([500, 500], 256) == 256                # capped by the SBUF plan
+    assert choose_blocks([256] * 8, 512) == (256, 0)           # one full block per expert
+    assert choose_blocks([20, 30], 512) == (128, 0)            # below the ridge: the smallest
+    assert choose_blocks([300, 290], 512) == (256, 64)         # 256 + a 64-token tail each
+    assert choose_blocks([500, 500], 256) == (256, 0)          # capped by the SBUF plan
     lids = np.array([[0, 2], [2, -1], [0, 2]])
     w = np.array([[0.25, 0.75], [1.0, 0.3], [0.5, 0.5]], np.float32)
-    be, n, gi, si, bw = plan_prefill_routing(lids, w, 4, 128)
+    (be, n, gi, si, bw), tail = plan_prefill_routing(lids, w, 4, 128)
+    assert tail is None
     assert int(n[0, 0]) == 2 and be[0, :2].tolist() == [0, 2]
     assert gi[0, :2].tolist() == [0, 2] and si[0, :3].tolist() == [0, 2, 3]   # 3 = padding
     assert bw[1, :3].tolist() == [0.75, 1.0, 0.5] and bw[1, 3] == 0
+    lids = np.zeros((150, 1), np.int64)                         # one expert, 150 tokens
+    full, tail = plan_prefill_routing(lids, np.ones((150, 1), np.float32), 2, 128, 64)
+    assert int(full[1][0, 0]) == 1 and int(tail[1][0, 0]) == 1
+    assert tail[3][0, :22].tolist() == list(range(128, 150)) and tail[3][0, 22] == 150
+
+
+def test_prefill_with_tail_blocks(rng):
+    """300 tokens on one expert (+ a few on another): one 256-token block and one 64-token tail
+    block, the plan's choice."""
+    T = 310
+    assert choose_blocks([300, 10], 512) == (256, 64)
+    x, wgu, wd, _, _ = _case(rng, T, 256, 128, 4, 1)
+    ids = np.where(np.arange(T) < 300, 1, 3).astype(np.int32)[:, None]
+    _run(x, wgu, wd, rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32), ids, "prefill")
 
 
 # ---------------------------------------------------------------------------- refusals

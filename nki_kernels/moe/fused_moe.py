@@ -53,7 +53,10 @@ except ImportError:                    # pragma: no cover - the tree before it l
 _FP8 = ("float8_e4m3", "float8_e4m3fn")
 DECODE_T_MAX = 64        # default regime switch (docs/moe.md): the 64-cycle matmul floor
 TB_CHOICES = (128, 256, 384, 512)   # prefill block sizes the host plan chooses from
+TAIL_CHOICES = (0, 64, 128)         # tail block sizes (0 = none); 64 = the matmul floor
+BLOCK_COST = 16                     # fixed cost of a block in token-times (plan model, Est)
 RIDGE_TOKENS = 149       # Trn3 bf16 / FP8 ridge in tokens per weight stream (docs/dense.md)
+RIDGE_TOKENS_TRN2 = 217  # Trn2
 
 
 # ------------------------------------------------------------------------------ host side
@@ -74,6 +77,10 @@ class MoEPlan:
     kb_gu: int
     kb_d: int
     fused: bool = False
+
+    def args(self):
+        """The kernel's compile-time plan arguments after ``regime, tb``."""
+        return (self.combined, self.nf_gu, self.nf_d, self.kb_gu, self.kb_d, self.fused)
 
 
 def plan_tiles(regime, tb, H, I, w_bytes, tiled) -> MoEPlan:
@@ -135,45 +142,78 @@ def plan_decode_routing(lids, w, n_local):
     return experts, np.array([[chosen.size]], np.int32), comb
 
 
-def choose_block(counts, tb_cap):
-    """Prefill block size: the tb of ``TB_CHOICES`` (<= tb_cap) minimising the modeled time
-    ``sum_e ceil(n_e / tb) * max(tb, RIDGE_TOKENS)``: a block costs its padded tokens on TensorE,
-    or its weight stream when it has fewer tokens than the ridge. Ties go to the larger block."""
+def split_expert(n, tb, tt):
+    """(full blocks, tail blocks) covering an expert's ``n`` tokens: ``n // tb`` blocks of
+    ``tb``; the rest in tail blocks of ``tt`` tokens when they pad less than one more full block
+    (``tt`` = 0: no tail blocks)."""
+    f, r = divmod(int(n), tb)
+    if r == 0:
+        return f, 0
+    if tt and -(-r // tt) * tt < tb:
+        return f, -(-r // tt)
+    return f + 1, 0
+
+
+def choose_blocks(counts, tb_cap, ridge=RIDGE_TOKENS):
+    """Prefill block sizes ``(tb, tt)``: full blocks of ``tb`` (``TB_CHOICES``, <= tb_cap) and
+    tail blocks of ``tt`` (``TAIL_CHOICES``; 0 = none), minimising the modeled time
+    ``max(padded tokens, ridge x blocks) + BLOCK_COST x blocks``: TensorE works on the padded
+    tokens, the weight stream costs ``ridge`` token-times per block (each block re-reads its
+    expert), the two overlap, and every block has a small fixed cost (gathers, transposes,
+    scatter-add). Ties go to fewer blocks."""
     best = None
     for tb in TB_CHOICES:
-        if tb > tb_cap:
+        if tb > tb_cap and tb != TB_CHOICES[0]:
             continue
-        cost = sum(-(-int(n) // tb) * max(tb, RIDGE_TOKENS) for n in counts if n)
-        if best is None or cost <= best[0]:
-            best = (cost, tb)
-    return best[1] if best else min(TB_CHOICES)
+        for tt in TAIL_CHOICES:
+            if tt >= tb:
+                continue
+            full = tails = 0
+            for n in counts:
+                if n:
+                    f, t = split_expert(n, tb, tt)
+                    full, tails = full + f, tails + t
+            nblk = full + tails
+            cost = max(full * tb + tails * tt, ridge * nblk) + BLOCK_COST * nblk
+            if best is None or (cost, nblk) < best[:2]:
+                best = (cost, nblk, tb, tt)
+    return (best[2], best[3]) if best else (TB_CHOICES[0], 0)
 
 
-def plan_prefill_routing(lids, w, n_local, tb):
-    """Prefill routing plan, blocks of ``tb`` tokens of one expert each:
-    (block_expert [1, NB] int32, count [1, 1] int32, gather [NB, tb] int32, scatter [NB, tb]
-    int32, weight [NB, tb] fp32). Padding slots gather a real token of the block (weight 0)
-    and scatter to row T (out of bounds: skipped). NB = ceil(T*k / tb) + min(E, T*k) slots."""
+def plan_prefill_routing(lids, w, n_local, tb, tt=0):
+    """Prefill routing plan: per chosen expert, ``split_expert`` blocks of ``tb`` tokens and
+    tail blocks of ``tt`` tokens. Returns one plan per block size (the tail plan None when
+    ``tt`` = 0): (block_expert [1, NB] int32, count [1, 1] int32, gather [NB, b] int32, scatter
+    [NB, b] int32, weight [NB, b] fp32). Padding slots gather a real token of the block (weight
+    0) and scatter to row T (out of bounds: skipped). NB = ceil(T*k / tb) + min(E, T*k) full
+    block slots, min(E, T*k) * (tb // tt) tail slots: shapes depend on (T, k, E) only."""
     T, k = lids.shape
     c = _combine(lids, w, n_local)
     A = T * k
-    NB = max(1, -(-A // tb) + min(n_local, A))
-    be = np.zeros((1, NB), np.int32)
-    gi = np.zeros((NB, tb), np.int32)
-    si = np.full((NB, tb), T, np.int32)
-    bw = np.zeros((NB, tb), np.float32)
-    nb = 0
+    sizes = [(tb, max(1, -(-A // tb) + min(n_local, A)))]
+    if tt:
+        sizes.append((tt, max(1, min(n_local, A) * (tb // tt))))
+    plans = []
+    for b, NB in sizes:
+        plans.append([np.zeros((1, NB), np.int32), 0, np.zeros((NB, b), np.int32),
+                      np.full((NB, b), T, np.int32), np.zeros((NB, b), np.float32)])
     for e in np.unique(lids[lids >= 0]):
         toks = np.unique(np.nonzero(lids == e)[0])
-        for b0 in range(0, toks.size, tb):
-            tk = toks[b0:b0 + tb]
-            be[0, nb] = e
-            gi[nb, :] = tk[0]
-            gi[nb, :tk.size] = tk
-            si[nb, :tk.size] = tk
-            bw[nb, :tk.size] = c[e, tk]
-            nb += 1
-    return be, np.array([[nb]], np.int32), gi, si, bw
+        f, t = split_expert(toks.size, tb, tt)
+        starts = [(0, b0, tb) for b0 in range(0, f * tb, tb)]
+        starts += [(1, f * tb + j * tt, tt) for j in range(t)]
+        for which, b0, b in starts:
+            pl = plans[which]
+            tk = toks[b0:b0 + b]
+            nb = pl[1]
+            pl[0][0, nb] = e
+            pl[2][nb, :] = tk[0]
+            pl[2][nb, :tk.size] = tk
+            pl[3][nb, :tk.size] = tk
+            pl[4][nb, :tk.size] = c[e, tk]
+            pl[1] = nb + 1
+    out = [(pl[0], np.array([[pl[1]]], np.int32), pl[2], pl[3], pl[4]) for pl in plans]
+    return out[0], (out[1] if tt else None)
 
 
 def tile_expert_weights(w):
@@ -374,18 +414,19 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
 
 
 @nki.jit
-def fused_moe_prefill_kernel(x, w_gu, w_d, blk_expert, n_blocks, gidx, sidx, bw, s_gu, s_d,
-                             sh_gu, sh_d, ss_gu, ss_d, combined, nf_gu, nf_d, kb_gu, kb_d,
-                             tiled, fused):
+def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_b, gi_b, si_b,
+                             bw_b, s_gu, s_d, sh_gu, sh_d, ss_gu, ss_d, tiled, plan_a, plan_b):
     """Prefill MoE: blockwise GEMMs over tokens grouped by expert.
 
     Dimensions:
-      T tokens, H hidden, I expert width, E local experts, NB block slots of tb tokens.
+      T tokens, H hidden, I expert width, E local experts; NBa full-block slots of tb tokens and
+      NBb tail-block slots of tt tokens (the ``_b`` arrays None: no tail blocks).
     Args:
       x: [T, H] bf16 HBM; weights and scales as in ``fused_moe_decode_kernel``.
-      blk_expert: [1, NB] int32 expert of each block; n_blocks: [1, 1] int32 blocks used.
-      gidx, sidx: [NB, tb] int32 token rows to gather / to scatter-add to (T = padding, skipped).
-      bw: [NB, tb] fp32 routing weight of each row (0 for padding).
+      be_*: [1, NB] int32 expert of each block; n_*: [1, 1] int32 blocks used.
+      gi_*, si_*: [NB, tb] int32 token rows to gather / to scatter-add to (T = padding, skipped).
+      bw_*: [NB, tb] fp32 routing weight of each row (0 for padding).
+      plan_a, plan_b: (combined, nf_gu, nf_d, kb_gu, kb_d, fused) of each block size.
     Returns:
       y: [T, H] bf16, shared HBM.
     Notes:
@@ -393,35 +434,40 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, blk_expert, n_blocks, gidx, sidx, bw,
       (``dma_compute``, fp32 in the DMA engines): the weighted sum is accumulated in fp32.
     Pseudocode:
       y32 = shared(x) or 0                                    # fp32 HBM
-      fori b in [0, n_blocks):
-        e = register(blk_expert[b])
-        rows = x[gidx[b]]                                     # indirect DMA gather, 128 per tile
-        xT = transpose(rows); hT = bw[b] * silu(Wg[e].T @ xT) * (Wu[e].T @ xT)
-        y32[sidx[b]] += transpose(Wd[e].T @ hT)               # indirect DMA scatter-add
+      for (blocks, tb) in (full blocks, tb), (tail blocks, tt):
+        fori b in [0, n_blocks):                              # hardware loop, runtime count
+          e = register(blk_expert[b])
+          rows = x[gidx[b]]                                   # indirect DMA gather, 128 per tile
+          xT = transpose(rows); hT = bw[b] * silu(Wg[e].T @ xT) * (Wu[e].T @ xT)
+          y32[sidx[b]] += transpose(Wd[e].T @ hT)             # indirect DMA scatter-add
       y = bf16(y32)
     """
     T, H = x.shape
-    tb = gidx.shape[1]
     I = w_gu.shape[1] * P // 2 if tiled else w_gu.shape[2] // 2
     fp8 = s_gu is not None
-    plan = MoEPlan("prefill", tb, combined, nf_gu, nf_d, kb_gu, kb_d, fused)
     y = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
     y32 = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.hbm)
-    NB = blk_expert.shape[1]
-    be_sb = nl.ndarray((1, NB), dtype=nl.int32, buffer=nl.sbuf)                # [1, NB]
-    nisa.dma_copy(dst=be_sb, src=blk_expert)
-    n_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)                  # [1, 1]
-    nisa.dma_copy(dst=n_sb, src=n_blocks)
     ident = D.identity(nl.bfloat16)
     ident_f = D.identity(nl.float32)
     q = _Fp8(w_gu.dtype, None, None) if fp8 else None
     d_widths = [t[1] for t in D.feature_tiles([(0, H, 0)])]
+    loops = []
+    for be, nbk, gidx, sidx, bw, pl in ((be_a, n_a, gi_a, si_a, bw_a, plan_a),
+                                        (be_b, n_b, gi_b, si_b, bw_b, plan_b)):
+        if be is None:
+            continue
+        NB = be.shape[1]
+        be_sb = nl.ndarray((1, NB), dtype=nl.int32, buffer=nl.sbuf)            # [1, NB]
+        nisa.dma_copy(dst=be_sb, src=be)
+        n_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)              # [1, 1]
+        nisa.dma_copy(dst=n_sb, src=nbk)
+        loops.append((be_sb, n_sb, gidx, sidx, bw, MoEPlan("prefill", gidx.shape[1], *pl)))
 
     if sh_gu is not None:      # y32 = shared(x), token block by token block
         Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
         if fp8:
             _load_scales(q, ss_gu, ss_d, None, Is, H)
-        for t0, tbs in D.token_blocks(T, tb):
+        for t0, tbs in D.token_blocks(T, loops[0][5].tb):
             sp = plan_tiles("prefill", tbs, H, Is, 1 if fp8 else 2, tiled)
             rows = D.x_rows_normalised(x, t0, tbs)
             _x_quantize(rows, q, all_steps=True)
@@ -439,38 +485,40 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, blk_expert, n_blocks, gidx, sidx, bw,
             rn = min(P, T - r0)
             nisa.dma_copy(dst=y32[r0:r0 + rn, :], src=zero[0:rn, :])
 
-    n_reg = nisa.register_alloc()
-    nisa.register_load(dst=n_reg, src=n_sb)
+    for be_sb, n_sb, gidx, sidx, bw, plan in loops:
+        tb = plan.tb
 
-    def body(b):
-        e = nisa.register_alloc()
-        nisa.register_load(dst=e, src=be_sb[0:1, nl.ds(b, 1)])
-        wgu, wd = _expert_views(w_gu, w_d, e)
-        if fp8:
-            _load_scales(q, s_gu, s_d, e, I, H)
-        subs, sis = [], []
-        for s0 in range(0, tb, P):
-            ts = min(P, tb - s0)
-            gi = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)              # [ts, 1]
-            nisa.dma_copy(dst=gi, src=gidx[nl.ds(b, 1), s0:s0 + ts])
-            si = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)              # [ts, 1]
-            nisa.dma_copy(dst=si, src=sidx[nl.ds(b, 1), s0:s0 + ts])
-            x_sb = nl.ndarray((ts, H), dtype=x.dtype, buffer=nl.sbuf)             # [ts, H]
-            nisa.dma_copy(dst=x_sb, src=x.ap([[H, ts], [1, H]], offset=0, vector_offset=gi,
-                                             indirect_dim=0))
-            subs.append((s0, ts, x_sb))
-            sis.append(si)
-        wrow = _row_broadcast(bw[nl.ds(b, 1), :], tb)                            # [128, tb]
-        _x_quantize(subs, q, all_steps=True)
-        xT, A = _x_block(subs, tb, H, None, ident, ident_f, q, w_gu.dtype)
+        def body(b, be_sb=be_sb, gidx=gidx, sidx=sidx, bw=bw, plan=plan, tb=tb):
+            e = nisa.register_alloc()
+            nisa.register_load(dst=e, src=be_sb[0:1, nl.ds(b, 1)])
+            wgu, wd = _expert_views(w_gu, w_d, e)
+            if fp8:
+                _load_scales(q, s_gu, s_d, e, I, H)
+            subs, sis = [], []
+            for s0 in range(0, tb, P):
+                ts = min(P, tb - s0)
+                gi = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)          # [ts, 1]
+                nisa.dma_copy(dst=gi, src=gidx[nl.ds(b, 1), s0:s0 + ts])
+                si = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)          # [ts, 1]
+                nisa.dma_copy(dst=si, src=sidx[nl.ds(b, 1), s0:s0 + ts])
+                x_sb = nl.ndarray((ts, H), dtype=x.dtype, buffer=nl.sbuf)         # [ts, H]
+                nisa.dma_copy(dst=x_sb, src=x.ap([[H, ts], [1, H]], offset=0, vector_offset=gi,
+                                                 indirect_dim=0))
+                subs.append((s0, ts, x_sb))
+                sis.append(si)
+            wrow = _row_broadcast(bw[nl.ds(b, 1), :], tb)                        # [128, tb]
+            _x_quantize(subs, q, all_steps=True)
+            xT, A = _x_block(subs, tb, H, None, ident, ident_f, q, w_gu.dtype)
 
-        def scatter(acc, j0, widths, B):
-            yT = _evicted(acc, j0, widths, tb, q, B)
-            _store_rows(y32, ident_f, yT, 0, tb, d_widths[:j0], widths, sis)
+            def scatter(acc, j0, widths, B):
+                yT = _evicted(acc, j0, widths, tb, q, B)
+                _store_rows(y32, ident_f, yT, 0, tb, d_widths[:j0], widths, sis)
 
-        _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, scatter)
+            _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, scatter)
 
-    nl.fori_loop(0, n_reg, body)
+        n_reg = nisa.register_alloc()
+        nisa.register_load(dst=n_reg, src=n_sb)
+        nl.fori_loop(0, n_reg, body)
     for r0 in range(0, T, P):          # fp32 accumulator -> bf16 output (DMA casts)
         rn = min(P, T - r0)
         nisa.dma_copy(dst=y[r0:r0 + rn, :], src=y32[r0:r0 + rn, :])
@@ -615,16 +663,18 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
                       s_d, sh_gu, sh_d, ss_gu, ss_d, plan.combined, plan.nf_gu, plan.nf_d,
                       plan.kb_gu, plan.kb_d, tiled, plan.fused)
     counts = np.bincount(lids[lids >= 0].ravel(), minlength=E) if (lids >= 0).any() else []
+    budget = _sbuf_budget()
     tb_cap = max(c for c in TB_CHOICES
                  if c == TB_CHOICES[0]
                  or _sbuf_need(c, H, I, wb, fp8, plan_tiles("prefill", c, H, I, wb, tiled))
-                 <= _sbuf_budget())
-    tb = choose_block(counts, tb_cap)
-    plan = plan_tiles("prefill", tb, H, I, wb, tiled)
-    be, n, gi, si, bw = plan_prefill_routing(lids, w32, E, tb)
-    return launch(fused_moe_prefill_kernel, x, w_gate_up, w_down, be, n, gi, si, bw, s_gu, s_d,
-                  sh_gu, sh_d, ss_gu, ss_d, plan.combined, plan.nf_gu, plan.nf_d, plan.kb_gu,
-                  plan.kb_d, tiled, plan.fused)
+                 <= budget)
+    tb, tt = choose_blocks(counts, tb_cap, RIDGE_TOKENS if gen >= 4 else RIDGE_TOKENS_TRN2)
+    full, tail = plan_prefill_routing(lids, w32, E, tb, tt)
+    pa = plan_tiles("prefill", tb, H, I, wb, tiled)
+    pb = plan_tiles("prefill", tt, H, I, wb, tiled) if tt else None
+    return launch(fused_moe_prefill_kernel, x, w_gate_up, w_down, *full,
+                  *(tail if tail is not None else (None,) * 5), s_gu, s_d, sh_gu, sh_d, ss_gu,
+                  ss_d, tiled, pa.args(), pb.args() if pb else None)
 
 
 def _as_numpy(a):
@@ -714,5 +764,6 @@ def _check_shared(name, shared, scales, H, wdt, tiled, fp8):
 
 
 __all__ = ["fused_moe", "fused_moe_decode_kernel", "fused_moe_prefill_kernel", "MoEPlan",
-           "plan_tiles", "plan_decode_routing", "plan_prefill_routing", "choose_block",
+           "plan_tiles", "plan_decode_routing", "plan_prefill_routing", "choose_blocks",
+           "split_expert",
            "tile_expert_weights", "local_ids"]
