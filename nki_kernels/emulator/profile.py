@@ -453,11 +453,14 @@ class Profile:
         # flow arrows: dependency on another track that bound the start
         box_of = {}
         seg_last = {}
+        segs_of = defaultdict(list)
         for key in keys:
             for bx in self.tracks[key]:
                 if bx.cat == "instruction":
                     box_of[bx.seq] = (bx, tids[key])
-                elif bx.seq not in seg_last or seg_last[bx.seq][0].end < bx.end:
+                    continue
+                segs_of[bx.seq].append((bx, tids[key]))
+                if bx.seq not in seg_last or seg_last[bx.seq][0].end < bx.end:
                     seg_last[bx.seq] = (bx, tids[key])
         fid = 0
         for g, p in enumerate(self.pred):
@@ -465,7 +468,15 @@ class Profile:
                 continue
             dst, dtid = box_of[g]
             src, stid = seg_last.get(p) or box_of.get(p, (None, None))
-            if src is None or (stid == dtid and src.prog == dst.prog):
+            if src is None:
+                continue
+            if dst.start < src.end - 1e-3 and g in segs_of:
+                # a DMA triggered before its binding dependency ended waited on a queue: the
+                # arrow goes to the first of its queue segments that started after it
+                later = [b for b in segs_of[g] if b[0].start >= src.end - 1e-3]
+                if later:
+                    dst, dtid = min(later, key=lambda b: b[0].start)
+            if stid == dtid and src.prog == dst.prog:
                 continue            # same track: queue order, not a wait
             fid += 1
             t_s = max(src.start, src.end - 1e-3) * us

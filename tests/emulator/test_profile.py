@@ -201,6 +201,24 @@ def test_dropped_instructions_have_no_box():
     assert seqs | set(elided) == set(range(p.report.n_instructions)) and not seqs & set(elided)
 
 
+@jit
+def loads(x, n):
+    """``n`` loads of ``x`` competing for the same DMA queues, each consumed by VectorE."""
+    for _ in range(n):
+        t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
+
+
+def test_wait_arrows_point_forward_in_time():
+    p = profile(loads, np.ones((128, 4096), np.float32), 6, target="trn3")
+    doc = p.trace_json()
+    s = {e["id"]: e["ts"] for e in doc["traceEvents"] if e["ph"] == "s"}
+    f = {e["id"]: e["ts"] for e in doc["traceEvents"] if e["ph"] == "f"}
+    assert s and s.keys() == f.keys()
+    assert all(f[k] >= s[k] - 1e-6 for k in s)
+
+
 def test_lnc2_one_process_per_core():
     x = np.ones((256, 512), np.float32)
     p = profile(two_cores, x, target="trn2", lnc=2)
