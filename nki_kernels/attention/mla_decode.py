@@ -1,0 +1,589 @@
+"""MLA decode: multi-head latent attention (DeepSeek-V3 / R1 / V3.2, Kimi-K2) for decode.
+
+With the up-projections absorbed (``q_nope`` already multiplied by W_UK, W_UV applied by the
+caller), MLA decode is MQA over one 576-wide latent per token shared by every head:
+``s = scale * (q_nope . c_kv + q_rope . k_rope)``, ``o = softmax(s) c_kv`` where the latent row is
+``[c_kv (512) | k_rope (64)]``. Design note: docs/attention.md ("MLA decode").
+
+Built on the decode-attention components: the cache layouts and tile loads of :mod:`.kv_cache`
+(the latent cache is a one-head cache with ``d = 576``), the split plan of :mod:`.split_kv`, the
+online softmax of :mod:`.softmax`, the mask of :mod:`.masks` and the exact merge of
+:mod:`.merge_attention_states`.
+
+Per latent tile (``128 T`` tokens of one sequence, one long DMA run per partition; paged: one
+register-addressed DMA per page), read from HBM **once**:
+
+* K^T: TensorE transposes of the 576 columns (4 x 128 + 64), key order restored on eviction,
+  shared by every row group (all heads see the same keys);
+* per row group (128 of the ``s_q x H`` query rows, row ``i H + h``): ``S = Q^T.T K^T`` (5
+  accumulating matmuls per 512 keys), scores scaled and row max fused on the way out of PSUM
+  (masked with ``range_select`` where the tail or the drafts' diagonal cut the tile), one
+  exponential with the row sum fused, P^T by TensorE transposes, ``O = P^T.T V`` with V the
+  first 512 columns **of the same SBUF tile**, online softmax carried from tile to tile.
+
+The stages of consecutive (tile, row group) jobs are software-pipelined (K^T, QK^T + softmax,
+P^T, PV with lags 0..3) as in decode attention, loads PREFETCH tiles ahead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._validate import check_target, dtype_name, is_torch
+from ..backend import launch, nisa, nki, nl
+from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, load_kv_tile_pages, tokens_per_partition
+from .masks import mask_range_select
+from .merge_attention_states import merge_states_sb
+from .softmax import SoftmaxState
+from .split_kv import plan_split_kv
+
+P = 128
+D_LATENT = 512        # c_kv: K (first part) and V
+D_ROPE = 64           # k_rope: K only
+D_QK = D_LATENT + D_ROPE
+DT = -(-D_QK // P)    # 5 contraction chunks (4 x 128 + 64)
+MAX_S_Q = 4
+MM_N = 512            # score columns per matmul (one fp32 PSUM bank)
+TR_GROUP = 8          # 128-key transposes per PSUM buffer
+PREFETCH = 2          # latent tiles loaded ahead of the one being computed
+LAGS = (0, 1, 2, 3)   # pipeline lags of the stages K^T, QK^T + softmax, P^T, PV (in jobs)
+C_LO, C_HI = 0, 1     # row table columns: first / last visible key of each query row
+NCOL = 2
+
+
+@dataclass(frozen=True)
+class MLAPlan(nl.NKIObject):
+    """Compile-time values of one call.
+
+    B, s_q, H: sequences, new tokens each, heads; layout: latent cache / tile geometry (one head
+    of width 576); seq_lens: host lengths; items: work items per program (:mod:`.split_kv`);
+    qk_mul: scale x (FP8) k_scale, applied to the scores as they leave PSUM; v_mul: the FP8
+    scale applied to the output (1.0 for bf16); gather: paged only, "page" (one DMA per page).
+    """
+    B: int
+    s_q: int
+    H: int
+    layout: KVLayout
+    seq_lens: tuple
+    items: tuple
+    qk_mul: float
+    v_mul: float
+    return_lse: bool
+    out_dtype: object
+
+    @property
+    def rows(self) -> int:
+        return self.s_q * self.H
+
+    @property
+    def n_groups(self) -> int:
+        return -(-self.rows // P)
+
+    def group_rows(self, g: int) -> int:
+        return min(P, self.rows - g * P)
+
+
+# ------------------------------------------------------------------------------------ kernel
+
+
+@nki.jit
+def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg):
+    """Absorbed MLA decode.
+
+    Dimensions:
+      B >= 1; s_q in 1..4; H heads with s_q * H query rows (any count; 128 per row group);
+      latent 576 = 512 (c_kv, also V) + 64 (k_rope); any lengths (host-known, cfg.seq_lens).
+    Args:
+      q_nope: [B, s_q, H, 512] HBM bf16 (W_UK absorbed); q_rope: [B, s_q, H, 64] HBM bf16.
+      kv_cache: [B, S_max, 576] (contiguous) or [num_blocks, block_size, 576] (paged), bf16 or
+        FP8 (e4m3 on Trn2, e4m3fn on Trn3).
+      block_table: [B, max_blocks] int32 HBM (paged), else None.
+      rowtab: [B, n_groups, 128, 2] fp32 HBM: first / last visible key of every query row.
+      cfg: MLAPlan.
+    Returns:
+      o [B, s_q, H, 512] (cfg.out_dtype), and lse [B, s_q, H] fp32 (natural log) when
+      cfg.return_lse.
+    Notes:
+      fp32 scores, max, sums and accumulation; P rounded to bf16 for PV. Each latent tile is
+      read from HBM once and serves as K (576 columns) and V (its first 512). Cache entries past
+      a sequence's end, and pages the block table does not name for it, are never read.
+    Pseudocode:
+      for each work item (b, keys [k0, k1)): Q^T of each row group; state m, l, o
+        for tile of 128 T keys: C [128, T, 576] <- DMA (paged: per page through the table)
+          K^T [576, 128T] <- TensorE transposes of C (once per tile)
+          for row group: S = Q^T.T K^T; X = qk_mul S (| mask); online softmax; P^T;
+            O = sum_t P^T[t].T @ C[:, t, 0:512]; o = alpha o + O
+        split part: (o, m, l) -> HBM; [LNC=2: barrier; the owner merges the parts]
+        o / l (x v_mul) -> out, m + ln l -> lse
+    """
+    B, s_q, H = cfg.B, cfg.s_q, cfg.H
+    out = nl.ndarray((B, s_q, H, D_LATENT), dtype=cfg.out_dtype, buffer=nl.shared_hbm)
+    lse = None
+    if cfg.return_lse:
+        lse = nl.ndarray((B, s_q, H), dtype=nl.float32, buffer=nl.shared_hbm)
+    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
+    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
+    mine = cfg.items[pid]
+    split = [it for prog in cfg.items for it in prog if it.n_parts > 1 and it.part > 0]
+    parts_hbm = None
+    if split:
+        parts_hbm = nl.ndarray((len(split), cfg.n_groups, P, D_LATENT + 2), dtype=nl.float32,
+                               buffer=nl.shared_hbm)
+    ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)                   # [128, 128]
+    if pid == 0:
+        _empty_rows(out, lse, cfg)
+    run = _Run(q_nope, q_rope, kv_cache, block_table, rowtab, out, lse, parts_hbm, split, ident,
+               cfg)
+    run.items(mine)
+    if split and programs > 1:
+        nisa.core_barrier(data=parts_hbm, cores=(0, 1))
+    if split:
+        run.merge_owned([it for it in mine if it.n_parts > 1 and it.part == 0])
+    if cfg.return_lse:
+        return out, lse
+    return out
+
+
+def _empty_rows(out, lse, cfg):
+    """Sequences of length 0: output 0, lse -inf."""
+    empty = [b for b in range(cfg.B) if cfg.seq_lens[b] == 0]
+    if not empty:
+        return
+    n = cfg.rows
+    r = min(P, n)
+    z = nl.ndarray((r, D_LATENT), dtype=cfg.out_dtype, buffer=nl.sbuf)
+    nisa.memset(dst=z, value=0.0, engine=nisa.engine.gpsimd)
+    zl = None
+    if lse is not None:
+        zl = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=zl, value=-np.inf, engine=nisa.engine.gpsimd)
+    for b in empty:
+        flat = out[b].reshape((n, D_LATENT))
+        for r0 in range(0, n, P):
+            k = min(P, n - r0)
+            nisa.dma_copy(dst=flat[r0:r0 + k, :], src=z[0:k, :])
+            if zl is not None:
+                nisa.dma_copy(dst=lse[b].reshape((n, 1))[r0:r0 + k, :], src=zl[0:k, :])
+
+
+class _Group:
+    """One row group of one work item: Q^T, its row bounds, its softmax state."""
+
+    def __init__(self, g, r0, rows, qT, rt, sm):
+        self.g, self.r0, self.rows, self.qT, self.rt, self.sm = g, r0, rows, qT, rt, sm
+
+
+class _Job:
+    """One (latent tile, row group) job between its pipeline stages."""
+
+    def __init__(self, it, grp, tile, k0, n, T):
+        self.it, self.grp, self.tile, self.k0, self.n = it, grp, tile, k0, n
+        self.npp = -(-n // T)              # partitions holding keys of this tile
+        self.ncol = self.npp * T           # score columns (key k0 + c; c >= n masked)
+        self.Pm = self.pT = self.alpha = self.O = None
+
+
+class _Tile:
+    """One latent tile in SBUF and (once built) its K^T."""
+
+    def __init__(self, c):
+        self.c = c
+        self.kT = None
+
+
+class _Run:
+    """Trace-time driver: this program's work items as one stream of prefetched latent tiles."""
+
+    def __init__(self, q_nope, q_rope, kv, block_table, rowtab, out, lse, parts_hbm, split, ident,
+                 cfg):
+        self.qn, self.qr, self.kv, self.bt = q_nope, q_rope, kv, block_table
+        self.rowtab, self.out, self.lse, self.parts = rowtab, out, lse, parts_hbm
+        self.split = list(split)
+        self.ident = ident
+        self.cfg = cfg
+        self.lay = cfg.layout
+        self.fp8 = kv.dtype not in (nl.bfloat16, nl.float16)
+        self.n_evict = 0
+        self.pending = {}
+
+    def items(self, mine):
+        lay, cfg = self.lay, self.cfg
+        tiles = []
+        for ii, it in enumerate(mine):
+            for k0 in range(it.k0, it.k1, lay.tile_keys):
+                tiles.append((ii, k0, min(lay.tile_keys, it.k1 - k0), k0 + lay.tile_keys >= it.k1))
+        groups, tabs, loaded = {}, {}, {}
+
+        def fetch(j):
+            ii, k0, n, _ = tiles[j]
+            it = mine[ii]
+            if ii not in groups:
+                groups[ii] = self.start(it)
+                if lay.paged:
+                    p0 = it.k0 // lay.block_size
+                    npg = -(-it.k1 // lay.block_size) - p0
+                    bt = nl.ndarray((1, npg), dtype=nl.int32, buffer=nl.sbuf)     # [1, pages]
+                    nisa.dma_copy(dst=bt, src=self.bt[it.b, p0:p0 + npg].reshape((1, npg)))
+                    tabs[ii] = bt
+            c = nl.ndarray((P, lay.T, 1, D_QK), dtype=self.kv.dtype, buffer=nl.sbuf)
+            if lay.paged:
+                load_kv_tile_pages([(c, self.kv, self.fp8)], lay, it.b, k0, n, tabs[ii],
+                                   it.k0 // lay.block_size)
+            else:
+                load_kv_tile(c, self.kv, lay, it.b, k0, n, zero_tail=self.fp8)
+            loaded[j] = _Tile(c)
+
+        jobs = [(j, g) for j in range(len(tiles)) for g in range(cfg.n_groups)]
+        state = {}
+        for step in range(len(jobs) + LAGS[-1]):
+            ja = step - LAGS[0]
+            if 0 <= ja < len(jobs):
+                j, g = jobs[ja]
+                for jj in range(j, min(len(tiles), j + PREFETCH + 1)):
+                    if jj not in loaded:
+                        fetch(jj)
+                ii, k0, n, _ = tiles[j]
+                tile = loaded[j]
+                if g == 0:
+                    self.stage_kT(tile, n)
+                state[ja] = _Job(mine[ii], groups[ii][g], tile, k0, n, lay.T)
+            jb = step - LAGS[1]
+            if 0 <= jb < len(jobs):
+                self.stage_softmax(state[jb])
+            jc = step - LAGS[2]
+            if 0 <= jc < len(jobs):
+                self.stage_pT(state[jc])
+            jd = step - LAGS[3]
+            if 0 <= jd < len(jobs):
+                job = state.pop(jd)
+                self.stage_pv(job)
+                j, g = jobs[jd]
+                ii, k0, n, last = tiles[j]
+                if g == cfg.n_groups - 1:
+                    loaded.pop(j)
+                    if last:
+                        self.finish(job.it, groups.pop(ii))
+
+    # -- per item -------------------------------------------------------------------------------
+    def start(self, it):
+        cfg = self.cfg
+        groups = []
+        for g in range(cfg.n_groups):
+            r0, rows = g * P, cfg.group_rows(g)
+            q_sb = nl.ndarray((P, D_QK), dtype=self.qn.dtype, buffer=nl.sbuf)     # [rows, 576]
+            qn = self.qn[it.b].reshape((cfg.rows, D_LATENT))
+            qr = self.qr[it.b].reshape((cfg.rows, D_ROPE))
+            nisa.dma_copy(dst=q_sb[0:rows, 0:D_LATENT], src=qn[r0:r0 + rows, :])
+            nisa.dma_copy(dst=q_sb[0:rows, D_LATENT:D_QK], src=qr[r0:r0 + rows, :])
+            qT = nl.ndarray((P, DT, P), dtype=self.qn.dtype, buffer=nl.sbuf)     # [576, rows]
+            tq = nl.ndarray((P, DT, P), dtype=self.qn.dtype, buffer=nl.psum)
+            for dt in range(DT):
+                dsz = min(P, D_QK - dt * P)
+                nisa.nc_transpose(dst=tq[0:dsz, dt, 0:rows], data=q_sb[0:rows, dt * P:dt * P + dsz],
+                                  engine=nisa.engine.tensor)
+                nisa.tensor_copy(dst=qT[0:dsz, dt, 0:rows], src=tq[0:dsz, dt, 0:rows],
+                                 engine=nisa.engine.vector)
+            rt = nl.ndarray((P, NCOL), dtype=nl.float32, buffer=nl.sbuf)          # [rows, 2]
+            nisa.dma_copy(dst=rt[0:rows, :], src=self.rowtab[it.b, g, 0:rows, :])
+            sm = SoftmaxState(rows, D_LATENT, 1.0, sum_in_o=False)
+            groups.append(_Group(g, r0, rows, qT, rt, sm))
+        return groups
+
+    def finish(self, it, groups):
+        for grp in groups:
+            sm = grp.sm
+            if it.n_parts > 1 and it.part > 0:
+                k = self.split.index(it)
+                st = nl.ndarray((grp.rows, D_LATENT + 2), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=st[:, 0:D_LATENT], src=sm.o, engine=nisa.engine.gpsimd)
+                nisa.tensor_copy(dst=st[:, D_LATENT:D_LATENT + 1], src=sm.mp[:, 0:1],
+                                 engine=nisa.engine.gpsimd)
+                nisa.tensor_copy(dst=st[:, D_LATENT + 1:D_LATENT + 2], src=sm.l,
+                                 engine=nisa.engine.gpsimd)
+                nisa.dma_copy(dst=self.parts[k, grp.g, 0:grp.rows, :], src=st)
+            elif it.n_parts > 1:
+                self.pending[(it.b, grp.g)] = grp        # merged after the barrier
+            else:
+                self.store(it.b, grp)
+
+    def store(self, b, grp):
+        cfg, sm = self.cfg, grp.sm
+        if cfg.v_mul != 1.0:
+            nisa.tensor_scalar(dst=sm.o, data=sm.o, op0=nl.multiply, operand0=cfg.v_mul)
+        o_sb = nl.ndarray((grp.rows, D_LATENT), dtype=cfg.out_dtype, buffer=nl.sbuf)
+        l_sb = None
+        if cfg.return_lse:
+            l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        sm.finalize(o_sb, l_sb)
+        flat = self.out[b].reshape((cfg.rows, D_LATENT))
+        nisa.dma_copy(dst=flat[grp.r0:grp.r0 + grp.rows, :], src=o_sb)
+        if l_sb is not None:
+            fl = self.lse[b].reshape((cfg.rows, 1))
+            nisa.dma_copy(dst=fl[grp.r0:grp.r0 + grp.rows, :], src=l_sb)
+
+    def merge_owned(self, owned):
+        for it in owned:
+            for g in range(self.cfg.n_groups):
+                grp = self.pending.pop((it.b, g))
+                for k, other in enumerate(self.split):
+                    if other.b != it.b:
+                        continue
+                    st = nl.ndarray((grp.rows, D_LATENT + 2), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=st, src=self.parts[k, g, 0:grp.rows, :])
+                    merge_states_sb(grp.sm, st[:, 0:D_LATENT], st[:, D_LATENT:D_LATENT + 1],
+                                    st[:, D_LATENT + 1:D_LATENT + 2])
+                self.store(it.b, grp)
+
+    # -- stages ---------------------------------------------------------------------------------
+    def stage_kT(self, tile, n):
+        """K^T of the whole 576-wide latent tile, ``[576 (5 chunks), 128 T]``, key order restored
+        on eviction (column p T + t comes from transpose t of partition p). FP8: by matmul with
+        the identity (fp32 PSUM), the partial partition's tail zeroed at load."""
+        lay = self.lay
+        T = lay.T
+        npp = -(-n // T)
+        ncol = npp * T
+        c = tile.c
+        kT = nl.ndarray((P, DT, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [576, 128T]
+        grpn = TR_GROUP // 2 if self.fp8 else TR_GROUP
+        for dt in range(DT):
+            dsz = min(P, D_QK - dt * P)
+            for t0 in range(0, T, grpn):
+                t1 = min(T, t0 + grpn)
+                tp = nl.ndarray((P, t1 - t0, P), dtype=nl.float32 if self.fp8 else c.dtype,
+                                buffer=nl.psum)
+                for t in range(t0, t1):
+                    src = c[0:npp, t, 0, dt * P:dt * P + dsz]
+                    if self.fp8:
+                        nisa.nc_matmul(dst=tp[0:dsz, t - t0, 0:npp], stationary=src,
+                                       moving=self.ident[0:npp, 0:npp])
+                    else:
+                        nisa.nc_transpose(dst=tp[0:dsz, t - t0, 0:npp], data=src,
+                                          engine=nisa.engine.tensor)
+                dstv = kT[0:dsz, dt, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
+                self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
+        tile.kT = kT
+
+    def stage_softmax(self, job):
+        """S = Q^T.T K^T (5 accumulating matmuls per 512 keys); X = qk_mul S out of PSUM with the
+        row max fused (masked where the tile needs it); online-softmax max / exp / sums."""
+        cfg, lay = self.cfg, self.lay
+        grp, ncol, k0 = job.grp, job.ncol, job.k0
+        rows = grp.rows
+        kT = job.tile.kT
+        S = nl.ndarray((P, lay.tile_keys), dtype=nl.float32, buffer=nl.psum)      # [rows, 128T]
+        for c0 in range(0, ncol, MM_N):
+            c1 = min(ncol, c0 + MM_N)
+            for dt in range(DT):
+                dsz = min(P, D_QK - dt * P)
+                nisa.nc_matmul(dst=S[0:rows, c0:c1], stationary=grp.qT[0:dsz, dt, 0:rows],
+                               moving=kT[0:dsz, dt, c0:c1], accumulate=dt > 0)
+        sm = grp.sm
+        L = cfg.seq_lens[job.it.b]
+        masked = k0 + ncol - 1 > L - cfg.s_q
+        X = nl.ndarray((rows, lay.tile_keys), dtype=nl.float32, buffer=nl.sbuf)
+        Xv = X[:, 0:ncol]
+        if masked:
+            nisa.tensor_scalar(dst=Xv, data=S[0:rows, 0:ncol], op0=nl.multiply,
+                               operand0=cfg.qk_mul)
+            mask_range_select(Xv, Xv, grp.rt[0:rows, C_LO:C_LO + 1], grp.rt[0:rows, C_HI:C_HI + 1],
+                              k0, reduce_res=sm.max_slot())
+        else:
+            nisa.tensor_scalar_reduce(dst=Xv, data=S[0:rows, 0:ncol], op0=nl.multiply,
+                                      operand0=cfg.qk_mul, reduce_op=nl.maximum,
+                                      reduce_res=sm.max_slot())
+        sm.combine_max()
+        neg = sm.neg_max()
+        Pm = nl.ndarray((rows, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [rows, 128T]
+        rowsum = sm.exp_rows([(Pm[:, 0:ncol], Xv)], "scalar", neg_max=neg, with_sum=True)
+        job.alpha = sm.rescale_factor("scalar", neg)
+        sm.mark_started()
+        sm.update_sum(rowsum, job.alpha)
+        job.Pm = Pm
+
+    def stage_pT(self, job):
+        """P^T: key p T + t on partition p of slice t (TensorE transposes, evicted to SBUF)."""
+        T = self.lay.T
+        npp, ncol, rows = job.npp, job.ncol, job.grp.rows
+        pT = nl.ndarray((P, T, P), dtype=nl.bfloat16, buffer=nl.sbuf)             # [keys, T, rows]
+        pv = job.Pm[:, 0:ncol].reshape_dim(1, (npp, T))
+        for t0 in range(0, T, TR_GROUP):
+            t1 = min(T, t0 + TR_GROUP)
+            tp = nl.ndarray((P, t1 - t0, P), dtype=nl.bfloat16, buffer=nl.psum)
+            for t in range(t0, t1):
+                nisa.nc_transpose(dst=tp[0:npp, t - t0, 0:rows], data=pv[:, :, t],
+                                  engine=nisa.engine.tensor)
+            self._evict(pT[0:npp, t0:t1, 0:rows], tp[0:npp, :, 0:rows])
+        job.Pm = None
+        job.pT = pT
+
+    def stage_pv(self, job):
+        """O = sum_t P^T[t].T @ C[:, t, 0:512] (V = the latent's first 512 columns, the tile
+        already in SBUF), then o = alpha o + O."""
+        T = self.lay.T
+        rows, n = job.grp.rows, job.n
+        O = nl.ndarray((P, D_LATENT), dtype=nl.float32, buffer=nl.psum)            # [rows, 512]
+        first = True
+        for t in range(T):
+            kp = -(-(n - t) // T)             # partitions whose slot t holds a valid key
+            if kp <= 0:
+                continue
+            nisa.nc_matmul(dst=O[0:rows, :], stationary=job.pT[0:kp, t, 0:rows],
+                           moving=job.tile.c[0:kp, t, 0, 0:D_LATENT], accumulate=not first)
+            first = False
+        job.pT = None
+        job.grp.sm.accumulate_o(O[0:rows, :], job.alpha, mode="stt", copy_engine="vector")
+
+    def _evict(self, dst, src):
+        """PSUM -> SBUF copies alternating between ScalarE and VectorE."""
+        act = self.n_evict % 2 == 0
+        self.n_evict += 1
+        nisa.tensor_copy(dst=dst, src=src,
+                         engine=nisa.engine.scalar if act else nisa.engine.vector)
+
+
+# ---------------------------------------------------------------------------------------- op
+OP = "mla_decode"
+_FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}
+
+
+def _host_ints(name, x):
+    if is_torch(x):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{OP}: {name} must be an integer array; got dtype {a.dtype}")
+    return a
+
+
+def _positive(name, x):
+    if is_torch(x):
+        x = x.detach().float().cpu().numpy()
+    a = np.asarray(x, dtype=np.float64) if not isinstance(x, bool) else None
+    if a is None or a.size != 1 or not np.isfinite(a).all() or float(a.reshape(-1)[0]) <= 0:
+        raise ValueError(f"{OP}: {name} must be a finite scalar > 0; got {x!r}")
+    return float(a.reshape(-1)[0])
+
+
+def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, kv_scale=None,
+               return_lse=True, lnc=1):
+    """Absorbed multi-head latent attention for decode (DeepSeek-V3 / Kimi-K2).
+
+    Args:
+      q_nope: [B, s_q, H, 512] bfloat16: the no-RoPE query part already multiplied by the
+         absorbed W_UK (per head ``q_nope_h @ W_UK_h``, latent space). s_q in 1..4 (draft i sees
+         the cache and drafts 0..i); H any (128 on one device, 16 / 32 under TP8 / TP4).
+      q_rope: [B, s_q, H, 64] bfloat16, RoPE applied.
+      kv_cache: contiguous [B, S_max, 576] or paged [num_blocks, block_size, 576] (with
+         ``block_table``): per token ``[c_kv (512) | k_rope (64)]``, RoPE applied to k_rope;
+         bfloat16, or FP8 (float8_e4m3 on Trn2, float8_e4m3fn on Trn3) with ``kv_scale``.
+      seq_lens: [B] host integers: tokens per sequence counting the s_q new ones (already in the
+         cache); 0 = an empty slot (output 0, lse -inf).
+      block_table: [B, max_blocks] int32; logical block n of sequence b is physical block
+         ``block_table[b, n]``; entries past a sequence's end are never read. Block sizes 8-256.
+      scale: softmax scale (required: DeepSeek uses ``1/sqrt(192)`` times the YaRN mscale^2).
+      kv_scale: FP8 caches only: the per-tensor dequantization scale (a positive scalar).
+      return_lse: also return lse [B, s_q, H] float32 (natural log, of the scaled logits).
+      lnc: 1, or 2 to split the work (long sequences: their keys) over both cores.
+    Returns:
+      o [B, s_q, H, 512] bfloat16 (the caller applies W_UV), and lse when ``return_lse``.
+    """
+    gen = check_target(OP)
+    for name, t, w in (("q_nope", q_nope, D_LATENT), ("q_rope", q_rope, D_ROPE)):
+        shp = getattr(t, "shape", None)
+        if shp is None or len(shp) != 4 or int(shp[3]) != w:
+            raise ValueError(f"{OP}: {name} must be [B, s_q, H, {w}]; got shape {shp}")
+    B, s_q, H, _ = (int(x) for x in q_nope.shape)
+    if tuple(int(x) for x in q_rope.shape[:3]) != (B, s_q, H):
+        raise ValueError(f"{OP}: q_rope must be [B={B}, s_q={s_q}, H={H}, 64] like q_nope; got "
+                         f"{tuple(q_rope.shape)}")
+    if not 1 <= s_q <= MAX_S_Q:
+        raise ValueError(f"{OP}: s_q (new tokens per sequence) must be 1 to {MAX_S_Q}; got {s_q}")
+    if B < 1 or H < 1:
+        raise ValueError(f"{OP}: B and H must be >= 1; got B={B}, H={H}")
+    for name, t in (("q_nope", q_nope), ("q_rope", q_rope)):
+        if dtype_name(t) != "bfloat16":
+            raise TypeError(f"{OP}: {name}.dtype must be bfloat16; got {dtype_name(t)}")
+    shp = getattr(kv_cache, "shape", None)
+    if shp is None or len(shp) != 3 or int(shp[2]) != D_QK:
+        raise ValueError(f"{OP}: kv_cache must be [B, S_max, {D_QK}] or [num_blocks, block_size, "
+                         f"{D_QK}] (512 latent + 64 rope); got shape {shp}")
+    kn = dtype_name(kv_cache)
+    fp8 = _FP8.get(gen, _FP8[4])
+    if kn not in ("bfloat16", fp8):
+        raise TypeError(f"{OP}: kv_cache.dtype must be bfloat16 or {fp8} (FP8 on this target); "
+                        f"got {kn}")
+    is_fp8 = kn == fp8
+    if is_fp8:
+        if kv_scale is None:
+            raise ValueError(f"{OP}: an FP8 kv_cache needs kv_scale (the per-tensor dequantization "
+                             f"scale); got None")
+        kvs = _positive("kv_scale", kv_scale)
+    else:
+        if kv_scale is not None:
+            raise ValueError(f"{OP}: kv_scale applies to FP8 caches only; the cache is {kn}")
+        kvs = 1.0
+    scale = _positive("scale", scale)
+    if isinstance(return_lse, (bool, np.bool_)) is False:
+        raise TypeError(f"{OP}: return_lse must be a bool; got {return_lse!r}")
+    if lnc not in (1, 2) or isinstance(lnc, bool):
+        raise ValueError(f"{OP}: lnc must be 1 or 2; got {lnc!r}")
+    N0, S1 = int(shp[0]), int(shp[1])
+    sl = _host_ints("seq_lens", seq_lens).reshape(-1)
+    if sl.shape != (B,):
+        raise ValueError(f"{OP}: seq_lens must have one length per sequence (B = {B}); got shape "
+                         f"{list(np.asarray(seq_lens).shape)}")
+    if np.any(sl < 0) or any(0 < L < s_q for L in sl.tolist()):
+        raise ValueError(f"{OP}: seq_lens must be 0 (an empty slot) or >= s_q = {s_q} (they count "
+                         f"the new tokens, already in the cache); got {sl.tolist()}")
+    bt = bs = None
+    if block_table is None:
+        if N0 != B:
+            raise ValueError(f"{OP}: a contiguous kv_cache must be [B={B}, S_max, 576]; got "
+                             f"{tuple(shp)} (pass block_table for a paged cache)")
+        if sl.max(initial=0) > S1:
+            raise ValueError(f"{OP}: seq_lens up to {int(sl.max())} exceed the cache's S_max = {S1}")
+    else:
+        bs = S1
+        if bs not in BLOCK_SIZES:
+            raise ValueError(f"{OP}: block_size (kv_cache.shape[1]) must be one of "
+                             f"{', '.join(map(str, BLOCK_SIZES))}; got {bs}")
+        bt = _host_ints("block_table", block_table)
+        if bt.ndim != 2 or bt.shape[0] != B:
+            raise ValueError(f"{OP}: block_table must be [B={B}, max_blocks]; got shape "
+                             f"{list(bt.shape)}")
+        cap = bt.shape[1] * bs
+        if sl.max(initial=0) > cap:
+            raise ValueError(f"{OP}: seq_lens up to {int(sl.max())} exceed the block table's "
+                             f"capacity {bt.shape[1]} blocks x {bs} = {cap} tokens")
+        for b in range(B):
+            used = bt[b, :-(-int(sl[b]) // bs)]
+            if used.size and (used.min() < 0 or used.max() >= N0):
+                raise ValueError(f"{OP}: block_table[{b}] has entries out of range [0, {N0}) "
+                                 f"(num_blocks); got {used.tolist()}")
+        bt = np.ascontiguousarray(bt.astype(np.int32))
+    T = tokens_per_partition(1, D_QK, 1 if is_fp8 else 2, bs, max_len=int(sl.max(initial=1)))
+    lay = KVLayout(bt is not None, bs or 0, 1, D_QK, T)
+    items = plan_split_kv([int(x) for x in sl], lay.tile_keys, lnc, s_q=s_q)
+    plan = MLAPlan(B=B, s_q=s_q, H=H, layout=lay, seq_lens=tuple(int(x) for x in sl), items=items,
+                   qk_mul=scale * kvs, v_mul=kvs, return_lse=bool(return_lse),
+                   out_dtype=nl.bfloat16)
+    rowtab = row_table(plan)
+    res = launch(mla_decode_kernel, q_nope, q_rope, kv_cache, bt, rowtab, plan, lnc=lnc)
+    return tuple(res) if return_lse else res
+
+
+def row_table(plan: MLAPlan):
+    """Per query row (``i H + h``) of every (sequence, row group): first visible key (-1: no
+    window) and last (``L - s_q + i``), fp32 ``[B, n_groups, 128, 2]``; unused rows see none."""
+    tab = np.full((plan.B, plan.n_groups, P, NCOL), -1.0, dtype=np.float32)
+    r = np.arange(plan.rows)
+    for b, L in enumerate(plan.seq_lens):
+        hi = (L - plan.s_q + r // plan.H).astype(np.float32)
+        flat = tab[b].reshape(plan.n_groups * P, NCOL)
+        flat[0:plan.rows, C_HI] = hi
+    return tab
+
+
+__all__ = ["mla_decode", "mla_decode_kernel", "MLAPlan", "row_table"]
