@@ -403,9 +403,13 @@ class Profile:
         r = d["roofline"]
         ai = f"{r['ai']:.1f}" if math.isfinite(r["ai"]) else "inf"
         pct = f"{r['pct_roof']:.1f}% of the roof" if r["pct_roof"] is not None else "no matmul"
-        out += ["", f"  roofline ({r['kind']}, {d['lnc']} core(s)): AI {ai} FLOP/B vs ridge "
-                f"{r['ridge']:.0f} -> {r['bound']}-bound; {r['tflops']:.2f} TFLOP/s of roof "
-                f"{r['roof_tflops']:.2f} ({pct}), {r['gbps']:.1f} GB/s of {r['hbm_gbps']:.0f}; "
+        if d["tensor_flops"]:
+            where = (f"AI {ai} FLOP/B vs ridge {r['ridge']:.0f} -> {r['bound']}-bound; "
+                     f"{r['tflops']:.2f} TFLOP/s of roof {r['roof_tflops']:.2f} ({pct}), ")
+        else:
+            where = "no matmul FLOPs: HBM roof; "
+        out += ["", f"  roofline ({r['kind']}, {d['lnc']} core(s)): {where}"
+                f"{r['gbps']:.1f} GB/s of {r['hbm_gbps']:.0f}; "
                 f"roofline lower bound {r['lower_bound_ns'] * us:.3f} us = "
                 f"{r['pct_of_bound_time'] or 0:.1f}% of the modeled time"]
         return "\n".join(out)
