@@ -373,6 +373,63 @@ DECODE_DEFAULT = (decode_bench_of(LLAMA3_8B, 2048, batch=8),
                   decode_bench_of(LLAMA3_8B, 2048, batch=8, page_size=64))
 
 
+
+# MLA decode bench rows (issue 17): DeepSeek-V3 absorbed MLA (576-wide latent: kv_lora_rank 512 +
+# rope 64) with H = 128 heads (one device) and H = 16 (TP8), B = 1 / 32 / 128, contexts 4K and
+# 32K, s_q 1 and 2 (MTP), bf16 and FP8 caches, paged (block 64) and contiguous.
+@dataclass(frozen=True)
+class MLADecodeShape:
+    """An MLA decode row: ``lens`` (tokens per sequence, new ones included), ``q_len`` new tokens,
+    ``n_heads`` query heads, the latent widths, the cache (``page_size`` 0 = contiguous), its
+    dtype ("fp8" = the target's FP8) and cores used."""
+    name: str
+    lens: tuple
+    q_len: int
+    n_heads: int
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    page_size: int = 0
+    kv_dtype: str = "bfloat16"
+    lnc: int = 1
+
+    @property
+    def batch(self) -> int:
+        return len(self.lens)
+
+
+def mla_decode_of(cfg: ModelConfig, kv_len: int, batch: int = 1, q_len: int = 1,
+                  page_size: int = 0, kv_dtype: str = "bfloat16", lnc: int = 1) -> MLADecodeShape:
+    if not cfg.is_mla:
+        raise ValueError(f"{cfg.name} has no multi-head latent attention")
+    extra = "".join([f" s_q={q_len}" if q_len > 1 else "",
+                     f" paged/{page_size}" if page_size else "",
+                     " fp8" if kv_dtype != "bfloat16" else "", f" LNC={lnc}" if lnc > 1 else ""])
+    return MLADecodeShape(f"{_slug(cfg)} MLA H={cfg.n_q_heads} B={batch} L={_k(kv_len)}{extra}",
+                          (kv_len,) * batch, q_len, cfg.n_q_heads, cfg.kv_lora_rank,
+                          cfg.qk_rope_head_dim, page_size, kv_dtype, lnc)
+
+
+DEEPSEEK_V3_TP8 = DEEPSEEK_V3.tp_shard(8)
+MLA_MODELS = (
+    mla_decode_of(DEEPSEEK_V3, 4096),
+    mla_decode_of(DEEPSEEK_V3, 32768),
+    mla_decode_of(DEEPSEEK_V3, 32768, q_len=2),
+    mla_decode_of(DEEPSEEK_V3, 32768, kv_dtype="fp8"),
+    mla_decode_of(DEEPSEEK_V3, 4096, batch=32, page_size=64),
+    mla_decode_of(DEEPSEEK_V3, 4096, batch=128, page_size=64),
+    mla_decode_of(DEEPSEEK_V3, 32768, batch=32, page_size=64, kv_dtype="fp8"),
+    mla_decode_of(DEEPSEEK_V3_TP8, 4096),
+    mla_decode_of(DEEPSEEK_V3_TP8, 32768),
+    mla_decode_of(DEEPSEEK_V3_TP8, 32768, q_len=2),
+    mla_decode_of(DEEPSEEK_V3_TP8, 32768, kv_dtype="fp8"),
+    mla_decode_of(DEEPSEEK_V3_TP8, 4096, batch=32, page_size=64),
+    mla_decode_of(DEEPSEEK_V3_TP8, 4096, batch=128, page_size=64, kv_dtype="fp8"),
+    mla_decode_of(DEEPSEEK_V3_TP8, 32768, batch=32, page_size=64, q_len=2),
+)
+MLA_DEFAULT = (mla_decode_of(DEEPSEEK_V3_TP8, 4096),)
+MLA_FAST = (MLADecodeShape("small mla H=16 B=2 L=300", (300, 77), 1, 16, page_size=16),
+            MLADecodeShape("small mla H=128 B=1 L=200 s_q=2", (200,), 2, 128))
+
 # ---------------------------------------------------------------------------------------- tiers
 
 
