@@ -225,6 +225,8 @@ def test_tile_geometry():
     assert tokens_per_partition(1, 128, 2) == 16         # capped at MAX_T
     assert tokens_per_partition(8, 128, 2, block_size=4) == 4
     assert tokens_per_partition(8, 128, 2, max_len=200) == 2
+    assert tokens_per_partition(8, 128, 2, total=2048) == 4      # 4 tiles for the pipeline
+    assert tokens_per_partition(1, 128, 2, total=128) == 16      # ... but runs >= 4 KiB
     lay = KVLayout(True, 64, 8, 128, 8)
     assert (lay.tile_keys, lay.R, lay.row) == (1024, 8, 8192)
 

@@ -115,6 +115,17 @@ class DecodePlan(nl.NKIObject):
         return list(range(g * self.nslot, min(self.Hkv, (g + 1) * self.nslot)))
 
 
+def sbuf_bytes(T: int, h_kv: int, d: int, itemsize: int, nslot: int) -> int:
+    """Per-partition SBUF the kernel keeps live at its peak (estimate): K and V tiles in flight
+    (PREFETCH + 2 each) and the buffers of two jobs per stage pair (K^T of a row group's heads,
+    X fp32 + P bf16, P^T)."""
+    kb = P * T
+    dt = -(-d // P)
+    kv = 2 * (PREFETCH + 2) * T * h_kv * d * itemsize
+    jobs = 2 * (nslot * dt * kb * 2) + 2 * (kb * 4 + kb * 2) + 2 * (T * P * 2)
+    return kv + jobs + 4 * 1024
+
+
 def slot_width(rows: int) -> int:
     for w in (32, 64, 128):
         if rows <= w:
@@ -732,10 +743,14 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
         if sk.shape != (Hq,):
             raise ValueError(f"{op}: sinks must have shape (H_q,) = ({Hq},); got {sk.shape}")
     isz = 1 if is_fp8 else 2
-    T = tokens_per_partition(Hkv, d, isz, bs, max_len=int(sl.max(initial=1)))
-    lay = KVLayout(bt is not None, bs or 0, Hkv, d, T)
+    T = tokens_per_partition(Hkv, d, isz, bs, max_len=int(sl.max(initial=1)),
+                             total=int(sl.sum()) // lnc)
     rows = Hq // Hkv * s_q
     W = slot_width(rows)
+    budget = int(nl.tile_size.sbuf_fmax_bytes * 0.8)
+    while T > 1 and sbuf_bytes(T, Hkv, d, isz, P // W) > budget:
+        T //= 2
+    lay = KVLayout(bt is not None, bs or 0, Hkv, d, T)
     items = plan_split_kv([int(x) for x in sl], lay.tile_keys, lnc, s_q=s_q, window=window)
     plan = DecodePlan(B=B, s_q=s_q, Hq=Hq, Hkv=Hkv, d=d, W=W, nslot=P // W, layout=lay,
                       seq_lens=tuple(int(x) for x in sl), items=items, window=int(window or 0),

@@ -34,6 +34,8 @@ from ..backend import nisa, nl
 P = 128
 RUN_BYTES = 16384      # target contiguous bytes per partition of a KV tile
 MAX_T = 16             # tokens per partition: a tile is <= 2048 keys (4 PSUM banks of fp32 scores)
+MIN_RUN = 4096         # ... but runs of at least 4 KiB (97% DMA efficiency, hardware.md A.6)
+MIN_TILES = 4          # tiles per program wanted for the pipeline (short batches: smaller tiles)
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 
 
@@ -65,13 +67,17 @@ class KVLayout(nl.NKIObject):
 
 
 def tokens_per_partition(h_kv: int, d: int, itemsize: int, block_size: int | None = None,
-                         max_len: int | None = None) -> int:
+                         max_len: int | None = None, total: int | None = None) -> int:
     """T: the largest power of two with ``T * H_kv * d * itemsize <= RUN_BYTES`` (and <= MAX_T,
-    dividing the block size when paged); no larger than the longest sequence needs."""
+    dividing the block size when paged); no larger than the longest sequence needs, and small
+    enough that a program's ``total`` keys make MIN_TILES tiles (a pipeline needs tiles to
+    overlap) unless runs would drop below MIN_RUN bytes."""
     t = 1 if block_size is None else max(1, block_size // P)    # at most 128 partitions per page
     while (t * 2 <= MAX_T and t * 2 * h_kv * d * itemsize <= RUN_BYTES
            and (block_size is None or block_size % (t * 2) == 0)
-           and (max_len is None or P * t < max_len)):
+           and (max_len is None or P * t < max_len)
+           and (total is None or t * h_kv * d * itemsize < MIN_RUN
+                or P * t * 2 * MIN_TILES <= total)):
         t *= 2
     return t
 
