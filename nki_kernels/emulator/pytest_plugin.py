@@ -240,6 +240,24 @@ def pytest_collection_finish(session):
     _patch_harness_bugs()
 
 
+def pytest_runtest_logreport(report):
+    """With ``NKI_SUITE_TIMES=path``: one tab-separated line per test phase (outcome, seconds,
+    first line of the failure) appended as it finishes, so partial runs can be tallied."""
+    path = os.environ.get("NKI_SUITE_TIMES")
+    if not path or (report.when != "call" and report.outcome == "passed"):
+        return
+    msg = ""
+    if report.outcome == "failed":
+        text = str(report.longrepr).strip().splitlines()
+        errs = [t for t in text if t.startswith("E ")]
+        msg = (errs[-1] if errs else (text[-1] if text else ""))[:300]
+    elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+        msg = str(report.longrepr[2])[:120]
+    with open(path, "a") as f:
+        f.write(f"{report.nodeid}\t{report.when}\t{report.outcome}\t{report.duration:.2f}\t"
+                f"{msg}\n")
+
+
 def pytest_report_header(config):
     from . import versions
     return (f"nki: the nki-kernels emulator (following NKI {versions.current()}), with in-process "
