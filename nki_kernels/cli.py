@@ -450,7 +450,11 @@ def _profile_device(args) -> int:
     from nki_kernels.bench import harness
     from nki_kernels.emulator import profile as prof
     tier = args.tier or getattr(harness, "DEFAULT_TIER", "fast")
-    cases = harness.select([args.op], tier, args.target, args.shape)
+    try:
+        cases = harness.select([args.op], tier, args.target, args.shape)
+    except harness.BenchError as e:
+        print(f"nki-kernels profile --device: {e}", file=sys.stderr)
+        return 2
     for c in cases:
         label = f"{c.op} {c.shape} {c.dtype}"
         stem = f"{prof.slug(label)}_{args.target}"
