@@ -149,7 +149,8 @@ def decode_attention_kernel(q, k_cache, v_cache, block_table, rowtab, cfg):
       k_cache, v_cache: [B, S_max, H_kv, d] (contiguous) or [num_blocks, block_size, H_kv, d]
         (paged) HBM, q's dtype or fp8 (e4m3 on Trn2, e4m3fn on Trn3).
       block_table: [B, max_blocks] int32 HBM (paged), else None.
-      rowtab: [B, n_groups, 128, 5] fp32 HBM, per query row of a row group: first and last
+      rowtab: [128, B, n_groups, 5] fp32 HBM (partition-major: one DMA, one run per partition),
+        per query row of a row group: first and last
         visible key, qk scale (scale * k_scale of its head, / softcap), v_scale, sink logit.
       cfg: DecodePlan.
     Returns:
@@ -277,7 +278,10 @@ class _Run:
     def __init__(self, q, k_cache, v_cache, block_table, rowtab, out, lse, parts_hbm, split,
                  ident, cfg):
         self.q, self.kc, self.vc, self.bt = q, k_cache, v_cache, block_table
-        self.rowtab, self.out, self.lse, self.parts = rowtab, out, lse, parts_hbm
+        self.out, self.lse, self.parts = out, lse, parts_hbm
+        nb, ng = rowtab.shape[1], rowtab.shape[2]
+        self.rt_all = nl.ndarray((P, nb, ng, NCOL), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=self.rt_all, src=rowtab)                      # [128, B, groups, 5]
         self.split = list(split)
         self.ident = ident
         self.cfg = cfg
@@ -345,6 +349,8 @@ class _Run:
                 ii, c, k0, n, last = tiles[j]
                 prefetch(j)
                 kt, vt = loaded[j]["k"], loaded[j]["v"]
+                if c == 0:
+                    self.ready(mine[ii], groups[ii][gi])
                 state[ja] = _Job(mine[ii], groups[ii][gi], kt, vt, k0, n, lay)
                 gen_a = self.stage_kT(state[ja])
                 if gi == self.cfg.n_groups - 1:
@@ -371,6 +377,9 @@ class _Run:
 
     # -- per item ---------------------------------------------------------------------------------
     def start(self, it):
+        """Issue the Q and row-table loads of an item (with its first tile's loads, so they wait
+        behind nothing later); the Q^T transposes and the state come with its first job
+        (:meth:`ready`), so TensorE's in-order queue never waits for a DMA still queued."""
         cfg = self.cfg
         groups = []
         for g in range(cfg.n_groups):
@@ -382,20 +391,27 @@ class _Run:
             for s, h in enumerate(heads):
                 src = self.q[it.b, :, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))  # [G, s_q, d]
                 nisa.dma_copy(dst=q_sb[s * cfg.W:s * cfg.W + cfg.rows, :], src=src)
-            qT = nl.ndarray((P, self.DT, P), dtype=self.q.dtype, buffer=nl.sbuf)   # [d, DT, rows]
-            tq = nl.ndarray((P, self.DT, P), dtype=self.q.dtype, buffer=nl.psum)
-            for dt in range(self.DT):
-                dsz = min(P, cfg.d - dt * P)
-                nisa.nc_transpose(dst=tq[0:dsz, dt, 0:rows], data=q_sb[0:rows, dt * P:dt * P + dsz],
-                                  engine=nisa.engine.tensor)
-                nisa.tensor_copy(dst=qT[0:dsz, dt, 0:rows], src=tq[0:dsz, dt, 0:rows],
-                                 engine=nisa.engine.vector)
-            rt = nl.ndarray((P, NCOL), dtype=nl.float32, buffer=nl.sbuf)          # [128, 5]
-            nisa.dma_copy(dst=rt[0:rows, :], src=self.rowtab[it.b, g, 0:rows, :])
-            sink = rt[0:rows, C_SINK:C_SINK + 1] if cfg.has_sinks and it.part == 0 else None
-            sm = SoftmaxState(rows, cfg.d, cfg.xmul, sink=sink, sum_in_o=False)
-            groups.append(_Group(g, heads, rows, qT, rt, sm))
+            rt = self.rt_all[:, it.b, g, :]                                        # [128, 5]
+            grp = _Group(g, heads, rows, None, rt, None)
+            grp.q_sb = q_sb
+            groups.append(grp)
         return groups
+
+    def ready(self, it, grp):
+        """Q^T (TensorE transpose of the slot-packed rows) and the softmax state of a group."""
+        cfg = self.cfg
+        rows, q_sb = grp.rows, grp.q_sb
+        qT = nl.ndarray((P, self.DT, P), dtype=self.q.dtype, buffer=nl.sbuf)       # [d, DT, rows]
+        tq = nl.ndarray((P, self.DT, P), dtype=self.q.dtype, buffer=nl.psum)
+        for dt in range(self.DT):
+            dsz = min(P, cfg.d - dt * P)
+            nisa.nc_transpose(dst=tq[0:dsz, dt, 0:rows], data=q_sb[0:rows, dt * P:dt * P + dsz],
+                              engine=nisa.engine.tensor)
+            nisa.tensor_copy(dst=qT[0:dsz, dt, 0:rows], src=tq[0:dsz, dt, 0:rows],
+                             engine=nisa.engine.vector)
+        grp.qT, grp.q_sb = qT, None
+        sink = grp.rt[0:rows, C_SINK:C_SINK + 1] if cfg.has_sinks and it.part == 0 else None
+        grp.sm = SoftmaxState(rows, cfg.d, cfg.xmul, sink=sink, sum_in_o=False)
 
     def finish(self, it, groups):
         cfg = self.cfg
@@ -764,7 +780,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
 
 
 def row_table(plan: DecodePlan, scale, k_scale, v_scale, sinks):
-    """The per-row constants of every (sequence, row group), fp32 ``[B, n_groups, 128, 5]``:
+    """The per-row constants of every (sequence, row group), fp32 ``[128, B, n_groups, 5]``:
     first / last visible key, qk scale (``scale * k_scale[head]``, divided by the soft-cap),
     v_scale and sink logit. Unused rows see nothing and carry scale 0."""
     tab = np.zeros((plan.B, plan.n_groups, P, NCOL), dtype=np.float32)
@@ -785,7 +801,7 @@ def row_table(plan: DecodePlan, scale, k_scale, v_scale, sinks):
                         tab[b, g, r, C_V] = v_scale[h] if v_scale is not None else 1.0
                         if sinks is not None:
                             tab[b, g, r, C_SINK] = sinks[h * plan.G + gg]
-    return tab
+    return np.ascontiguousarray(tab.transpose(2, 0, 1, 3))
 
 
 __all__ = ["decode_attention", "decode_attention_kernel", "DecodePlan", "WorkItem", "row_table"]
