@@ -341,6 +341,25 @@ class Launch:
                     self.turn = 1 - i
                 self.cv.notify_all()
 
+    def step(self, core):
+        """LNC=2: after an instruction that touched shared HBM, let the other program run up to
+        its next such instruction. The two cores run the same code at the same time, so their
+        shared-HBM traffic interleaves; running program 0 to its end first would let program 1's
+        writes land after program 0's later ones (a zero-fill of a shared output erasing the
+        other core's stores)."""
+        if self.lnc < 2:
+            return
+        i = core.program_id
+        o = 1 - i
+        with self.cv:
+            if self.done[o] or self.turn != i:
+                return
+            self.turn = o
+            self.cv.notify_all()
+            while self.turn != i and not self.done[o]:
+                self.cv.wait()
+            self.turn = i
+
     def _rendezvous(self, core, ready):
         """Hand the baton to the other program until ``ready()``; fail if it ended first."""
         i = core.program_id

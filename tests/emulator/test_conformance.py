@@ -300,3 +300,24 @@ def test_unused_sbuf_buffers_take_no_space():
     x = np.ones((128, 64), np.float32)
     with emu.target("trn2"):
         np.testing.assert_array_equal(k(x), x)
+
+
+def test_lnc2_programs_interleave_on_shared_hbm():
+    """Both programs zero-fill the whole shared output, then each stores its half: running the
+    cores side by side (not program 0 to its end first) keeps both halves."""
+    @jit
+    def k(x):
+        n = x.shape[0]
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        z = nl.ndarray((n, x.shape[1]), x.dtype)
+        nisa.memset(z, 0.0)
+        nisa.dma_copy(dst=out, src=z)
+        half = n // 2
+        pid = nl.program_id(0)
+        t = nl.ndarray((half, x.shape[1]), x.dtype)
+        nisa.dma_copy(dst=t, src=x[pid * half:(pid + 1) * half, :])
+        nisa.dma_copy(dst=out[pid * half:(pid + 1) * half, :], src=t)
+        return out
+    x = np.arange(64, dtype=np.float32).reshape(8, 8) + 1
+    with emu.target("trn2"):
+        np.testing.assert_array_equal(k[2](x), x)

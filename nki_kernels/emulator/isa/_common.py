@@ -120,6 +120,10 @@ class NkiInstruction:
 def emit(engine_name, opcode, reads, writes, attrs=None, name=None):
     """Record the instruction in open traces and return its handle."""
     rec = tr.record(engine_name, opcode, reads, writes, attrs, name) if rt._tracers else None
+    core = rt.maybe_core()
+    if core is not None and core.launch.lnc > 1 and any(
+            isinstance(t, NkiTensor) and t.buffer is rt.shared_hbm for _, t in (*reads, *writes)):
+        core.launch.step(core)
     return NkiInstruction(opcode, name, rec)
 
 
