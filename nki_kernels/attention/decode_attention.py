@@ -111,6 +111,13 @@ class DecodePlan(nl.NKIObject):
     def xmul(self) -> float:
         return self.softcap if self.softcap else 1.0
 
+    def row_off(self, b: int) -> int:
+        """First partition of a slot's rows for sequence ``b``: rotated by 8 partitions (one DMA
+        queue) from sequence to sequence where the slot has room, so the small Q loads and
+        output stores of consecutive sequences land on different queues."""
+        n_pos = (self.W - self.rows) // 8 + 1
+        return (b % n_pos) * 8
+
     def group_heads(self, g: int):
         return list(range(g * self.nslot, min(self.Hkv, (g + 1) * self.nslot)))
 
@@ -390,7 +397,8 @@ class _Run:
                 nisa.memset(dst=q_sb, value=0.0, engine=nisa.engine.gpsimd)
             for s, h in enumerate(heads):
                 src = self.q[it.b, :, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))  # [G, s_q, d]
-                nisa.dma_copy(dst=q_sb[s * cfg.W:s * cfg.W + cfg.rows, :], src=src)
+                r0 = s * cfg.W + cfg.row_off(it.b)
+                nisa.dma_copy(dst=q_sb[r0:r0 + cfg.rows, :], src=src)
             rt = self.rt_all[:, it.b, g, :]                                        # [128, 5]
             grp = _Group(g, heads, rows, None, rt, None)
             grp.q_sb = q_sb
@@ -447,7 +455,7 @@ class _Run:
             l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         sm.finalize(o_sb, l_sb)
         for s, h in enumerate(grp.heads):
-            r0 = s * cfg.W
+            r0 = s * cfg.W + cfg.row_off(b)
             dst = self.out[b, :, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))   # [G, s_q, d]
             nisa.dma_copy(dst=dst, src=o_sb[r0:r0 + cfg.rows, :])
             if l_sb is not None:
@@ -792,7 +800,7 @@ def row_table(plan: DecodePlan, scale, k_scale, v_scale, sinks):
             for s, h in enumerate(plan.group_heads(g)):
                 for gg in range(plan.G):
                     for i in range(plan.s_q):
-                        r = s * plan.W + gg * plan.s_q + i
+                        r = s * plan.W + plan.row_off(b) + gg * plan.s_q + i
                         pos = L - plan.s_q + i
                         tab[b, g, r, C_HI] = pos
                         tab[b, g, r, C_LO] = max(0, pos - plan.window + 1) if plan.window else -1
