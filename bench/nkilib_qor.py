@@ -278,7 +278,8 @@ def extract_file(path: Path, rel: str, commit: str | None = None):
             if kind == "range":
                 lnc, lnc_basis = None, "range-test table: the LNC run is recorded by qor_plugin"
             elif lnc_rule and lnc_rule[0] == "param":
-                lnc, lnc_basis = params.get(lnc_rule[1]), f"CompilerArgs(logical_nc_config={lnc_rule[1]})"
+                lnc = params.get(lnc_rule[1])
+                lnc_basis = f"CompilerArgs(logical_nc_config={lnc_rule[1]})"
             elif lnc_rule and lnc_rule[0] == "default":
                 lnc, lnc_basis = DEFAULT_LNC["trn2"], "CompilerArgs() default on trn2"
             else:
