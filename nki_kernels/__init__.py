@@ -7,6 +7,7 @@ instance), validates its arguments, picks its kernel variant, and runs it on the
 from .attention.decode_attention import decode_attention
 from .attention.flash_attention import flash_attention
 from .attention.merge_attention_states import merge_attention_states
+from .attention.mla_decode import mla_decode  # noqa: F401  (in __all__ once nki_kernels.torch has its op)
 from .dense.matmul import matmul
 from .dense.qkv_proj import QKVOutput, qkv_proj
 from .dense.swiglu_mlp import swiglu_mlp, tile_weight

@@ -30,7 +30,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = {"trn2": ml_dtypes.float8_e4m3, "trn3": ml_dtypes.float8_e4m3fn}
 GOAL = {"trn3": 80.0}
 GOAL_MIN_BYTES = 8e6          # the goal applies where the full batch reads >= 8 MB of cache
-SLICE_TOKENS = 65536          # run at most this many cached tokens (whole sequences)
+SLICE_TOKENS = 32768          # run at most this many cached tokens (whole sequences)
 CHECK_SEQS = 2
 KV_SCALE = 0.25
 SCALE = 192 ** -0.5

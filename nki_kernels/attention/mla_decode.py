@@ -59,7 +59,9 @@ class MLAPlan(nl.NKIObject):
     B, s_q, H: sequences, new tokens each, heads; layout: latent cache / tile geometry (one head
     of width 576); seq_lens: host lengths; items: work items per program (:mod:`.split_kv`);
     qk_mul: scale x (FP8) k_scale, applied to the scores as they leave PSUM; v_mul: the FP8
-    scale applied to the output (1.0 for bf16); gather: paged only, "page" (one DMA per page).
+    scale applied to the output (1.0 for bf16). W, nslot: few query rows (``s_q H <= 64``): the
+    rows are repeated in ``nslot`` PE column tiles of W, each slot takes ``T / nslot`` of a full
+    tile's token slices (its own softmax state, merged at the end); nslot = 1: one row layout.
     """
     B: int
     s_q: int
@@ -71,6 +73,8 @@ class MLAPlan(nl.NKIObject):
     v_mul: float
     return_lse: bool
     out_dtype: object
+    W: int = P
+    nslot: int = 1
 
     @property
     def rows(self) -> int:
@@ -82,6 +86,11 @@ class MLAPlan(nl.NKIObject):
 
     def group_rows(self, g: int) -> int:
         return min(P, self.rows - g * P)
+
+    @property
+    def Ts(self) -> int:
+        """Token slices of a full tile per slot (packed tiles)."""
+        return self.layout.T // self.nslot
 
 
 # ------------------------------------------------------------------------------------ kernel
@@ -130,7 +139,9 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg):
     if split:
         parts_hbm = nl.ndarray((len(split), cfg.n_groups, P, D_LATENT + 2), dtype=nl.float32,
                                buffer=nl.shared_hbm)
-    ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)                   # [128, 128]
+    ident = None
+    if kv_cache.dtype not in (nl.bfloat16, nl.float16):   # FP8 K^T by matmul with the identity
+        ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)               # [128, 128]
     if pid == 0:
         _empty_rows(out, lse, cfg)
     run = _Run(q_nope, q_rope, kv_cache, block_table, rowtab, out, lse, parts_hbm, split, ident,
@@ -170,15 +181,17 @@ def _empty_rows(out, lse, cfg):
 class _Group:
     """One row group of one work item: Q^T, its row bounds, its softmax state."""
 
-    def __init__(self, g, r0, rows, qT, rt, sm):
+    def __init__(self, g, r0, rows, qT, rt, sm, psm=None):
         self.g, self.r0, self.rows, self.qT, self.rt, self.sm = g, r0, rows, qT, rt, sm
+        self.psm = psm                     # the packed slots' state (nslot > 1)
 
 
 class _Job:
     """One (latent tile, row group) job between its pipeline stages."""
 
-    def __init__(self, it, grp, tile, k0, n, T):
+    def __init__(self, it, grp, tile, k0, n, T, packed=False):
         self.it, self.grp, self.tile, self.k0, self.n = it, grp, tile, k0, n
+        self.packed = packed
         self.npp = -(-n // T)              # partitions holding keys of this tile
         self.ncol = self.npp * T           # score columns (key k0 + c; c >= n masked)
         self.Pm = self.pT = self.alpha = self.O = None
@@ -243,21 +256,24 @@ class _Run:
                 for jj in range(j, min(len(tiles), j + PREFETCH + 1)):
                     if jj not in loaded:
                         fetch(jj)
-                ii, k0, n, _ = tiles[j]
+                ii, k0, n, last = tiles[j]
                 tile = loaded[j]
+                packed = cfg.nslot > 1 and not last        # an item's last tile: one row layout
                 if g == 0:
-                    self.stage_kT(tile, n)
-                state[ja] = _Job(mine[ii], groups[ii][g], tile, k0, n, lay.T)
+                    self.stage_kT(tile, n, packed)
+                state[ja] = _Job(mine[ii], groups[ii][g], tile, k0, n, lay.T, packed)
             jb = step - LAGS[1]
             if 0 <= jb < len(jobs):
-                self.stage_softmax(state[jb])
+                job = state[jb]
+                (self.stage_softmax_packed if job.packed else self.stage_softmax)(job)
             jc = step - LAGS[2]
             if 0 <= jc < len(jobs):
-                self.stage_pT(state[jc])
+                job = state[jc]
+                (self.stage_pT_packed if job.packed else self.stage_pT)(job)
             jd = step - LAGS[3]
             if 0 <= jd < len(jobs):
                 job = state.pop(jd)
-                self.stage_pv(job)
+                (self.stage_pv_packed if job.packed else self.stage_pv)(job)
                 j, g = jobs[jd]
                 ii, k0, n, last = tiles[j]
                 if g == cfg.n_groups - 1:
@@ -274,25 +290,55 @@ class _Run:
             q_sb = nl.ndarray((P, D_QK), dtype=self.qn.dtype, buffer=nl.sbuf)     # [rows, 576]
             qn = self.qn[it.b].reshape((cfg.rows, D_LATENT))
             qr = self.qr[it.b].reshape((cfg.rows, D_ROPE))
-            nisa.dma_copy(dst=q_sb[0:rows, 0:D_LATENT], src=qn[r0:r0 + rows, :])
-            nisa.dma_copy(dst=q_sb[0:rows, D_LATENT:D_QK], src=qr[r0:r0 + rows, :])
+            width = rows
+            if cfg.nslot > 1:                    # the rows repeated in every slot, zero padded
+                width = P
+            for s in range(cfg.nslot):
+                a = s * cfg.W
+                nisa.dma_copy(dst=q_sb[a:a + rows, 0:D_LATENT], src=qn[r0:r0 + rows, :])
+                nisa.dma_copy(dst=q_sb[a:a + rows, D_LATENT:D_QK], src=qr[r0:r0 + rows, :])
+                if cfg.nslot > 1 and rows < cfg.W:   # (disjoint from the loads: no wait)
+                    nisa.memset(dst=q_sb[a + rows:a + cfg.W, :], value=0.0,
+                                engine=nisa.engine.gpsimd)
             qT = nl.ndarray((P, DT, P), dtype=self.qn.dtype, buffer=nl.sbuf)     # [576, rows]
             tq = nl.ndarray((P, DT, P), dtype=self.qn.dtype, buffer=nl.psum)
             for dt in range(DT):
                 dsz = min(P, D_QK - dt * P)
-                nisa.nc_transpose(dst=tq[0:dsz, dt, 0:rows], data=q_sb[0:rows, dt * P:dt * P + dsz],
-                                  engine=nisa.engine.tensor)
-                nisa.tensor_copy(dst=qT[0:dsz, dt, 0:rows], src=tq[0:dsz, dt, 0:rows],
+                nisa.nc_transpose(dst=tq[0:dsz, dt, 0:width],
+                                  data=q_sb[0:width, dt * P:dt * P + dsz], engine=nisa.engine.tensor)
+                nisa.tensor_copy(dst=qT[0:dsz, dt, 0:width], src=tq[0:dsz, dt, 0:width],
                                  engine=nisa.engine.vector)
             rt = nl.ndarray((P, NCOL), dtype=nl.float32, buffer=nl.sbuf)          # [rows, 2]
             nisa.dma_copy(dst=rt[0:rows, :], src=self.rowtab[it.b, g, 0:rows, :])
             sm = SoftmaxState(rows, D_LATENT, 1.0, sum_in_o=False)
-            groups.append(_Group(g, r0, rows, qT, rt, sm))
+            psm = None
+            if cfg.nslot > 1 and it.keys > self.lay.tile_keys:
+                psm = SoftmaxState(P, D_LATENT, 1.0, sum_in_o=False)
+            groups.append(_Group(g, r0, rows, qT, rt, sm, psm))
         return groups
+
+    def merge_slots(self, grp):
+        """Fold the packed slots' states (slot s: partitions ``[s W, s W + rows)``, its share of
+        the full tiles' keys) into the row state: slot 0 in place, the others moved to
+        partitions ``[0, rows)`` by an SBUF-to-SBUF DMA first (exact log-sum-exp merges)."""
+        psm, rows, W = grp.psm, grp.rows, self.cfg.W
+        for s in range(self.cfg.nslot):
+            a = s * W
+            if s == 0:
+                merge_states_sb(grp.sm, psm.o[0:rows, :], psm.mp[0:rows, 0:1], psm.l[0:rows, :])
+                continue
+            st = nl.ndarray((rows, D_LATENT + 2), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=st[:, 0:D_LATENT], src=psm.o[a:a + rows, :])
+            nisa.dma_copy(dst=st[:, D_LATENT:D_LATENT + 1], src=psm.mp[a:a + rows, 0:1])
+            nisa.dma_copy(dst=st[:, D_LATENT + 1:D_LATENT + 2], src=psm.l[a:a + rows, :])
+            merge_states_sb(grp.sm, st[:, 0:D_LATENT], st[:, D_LATENT:D_LATENT + 1],
+                            st[:, D_LATENT + 1:D_LATENT + 2])
 
     def finish(self, it, groups):
         for grp in groups:
             sm = grp.sm
+            if grp.psm is not None:
+                self.merge_slots(grp)
             if it.n_parts > 1 and it.part > 0:
                 k = self.split.index(it)
                 st = nl.ndarray((grp.rows, D_LATENT + 2), dtype=nl.float32, buffer=nl.sbuf)
@@ -336,10 +382,11 @@ class _Run:
                 self.store(it.b, grp)
 
     # -- stages ---------------------------------------------------------------------------------
-    def stage_kT(self, tile, n):
+    def stage_kT(self, tile, n, packed=False):
         """K^T of the whole 576-wide latent tile, ``[576 (5 chunks), 128 T]``, key order restored
-        on eviction (column p T + t comes from transpose t of partition p). FP8: by matmul with
-        the identity (fp32 PSUM), the partial partition's tail zeroed at load."""
+        on eviction (column p T + t comes from transpose t of partition p); packed tiles keep the
+        slice order (column t 128 + p: each slot's slices are one contiguous run). FP8: by matmul
+        with the identity (fp32 PSUM), the partial partition's tail zeroed at load."""
         lay = self.lay
         T = lay.T
         npp = -(-n // T)
@@ -361,8 +408,12 @@ class _Run:
                     else:
                         nisa.nc_transpose(dst=tp[0:dsz, t - t0, 0:npp], data=src,
                                           engine=nisa.engine.tensor)
-                dstv = kT[0:dsz, dt, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
-                self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
+                if packed:
+                    dstv = kT[0:dsz, dt, t0 * P:t1 * P].reshape_dim(1, (t1 - t0, P))
+                    self._evict(dstv, tp[0:dsz, :, :])
+                else:
+                    dstv = kT[0:dsz, dt, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
+                    self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
         tile.kT = kT
 
     def stage_softmax(self, job):
@@ -434,6 +485,62 @@ class _Run:
             first = False
         job.pT = None
         job.grp.sm.accumulate_o(O[0:rows, :], job.alpha, mode="stt", copy_engine="vector")
+
+    # -- packed tiles (few rows: nslot PE column tiles side by side) -----------------------------
+    def stage_softmax_packed(self, job):
+        """Slot s scores its slices ``[s Ts, (s + 1) Ts)`` of a full tile against the rows
+        repeated in its PE column tile: ``S[s W + r, c]`` (no mask: every key of a full tile
+        that is not an item's last is visible to every row)."""
+        cfg = self.cfg
+        W, Ts, kT = cfg.W, cfg.Ts, job.tile.kT
+        grp = job.grp
+        ncol = Ts * P
+        S = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.psum)              # [slots, Ts 128]
+        for dt in range(DT):
+            dsz = min(P, D_QK - dt * P)
+            for s in range(cfg.nslot):               # slots innermost: their matmuls overlap
+                r0 = s * W
+                nisa.nc_matmul(dst=S[r0:r0 + W, :], stationary=grp.qT[0:dsz, dt, r0:r0 + W],
+                               moving=kT[0:dsz, dt, s * ncol:(s + 1) * ncol], accumulate=dt > 0,
+                               tile_position=(0, r0), tile_size=(P, W))
+        sm = grp.psm
+        X = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=X, data=S, op0=nl.multiply, operand0=cfg.qk_mul,
+                                  reduce_op=nl.maximum, reduce_res=sm.max_slot())
+        sm.combine_max()
+        neg = sm.neg_max()
+        Pm = nl.ndarray((P, ncol), dtype=nl.bfloat16, buffer=nl.sbuf)
+        rowsum = sm.exp_rows([(Pm, X)], "scalar", neg_max=neg, with_sum=True)
+        job.alpha = sm.rescale_factor("scalar", neg)
+        sm.mark_started()
+        sm.update_sum(rowsum, job.alpha)
+        job.Pm = Pm
+
+    def stage_pT_packed(self, job):
+        """P^T of all slots at once: one 128 x 128 transpose per slice of a slot."""
+        Ts = self.cfg.Ts
+        tp = nl.ndarray((P, Ts, P), dtype=nl.bfloat16, buffer=nl.psum)
+        for tt in range(Ts):
+            nisa.nc_transpose(dst=tp[:, tt, :], data=job.Pm[:, tt * P:(tt + 1) * P],
+                              engine=nisa.engine.tensor)
+        pT = nl.ndarray((P, Ts, P), dtype=nl.bfloat16, buffer=nl.sbuf)           # [keys, Ts, slots]
+        self._evict(pT, tp)
+        job.Pm = None
+        job.pT = pT
+
+    def stage_pv_packed(self, job):
+        """O[s W + r] = sum over slot s's slices of P^T.T @ C[:, t, 0:512] (PE column tiles)."""
+        cfg = self.cfg
+        W, Ts = cfg.W, cfg.Ts
+        O = nl.ndarray((P, D_LATENT), dtype=nl.float32, buffer=nl.psum)            # [slots, 512]
+        for tt in range(Ts):
+            for s in range(cfg.nslot):
+                r0 = s * W
+                nisa.nc_matmul(dst=O[r0:r0 + W, :], stationary=job.pT[:, tt, r0:r0 + W],
+                               moving=job.tile.c[:, s * Ts + tt, 0, 0:D_LATENT],
+                               accumulate=tt > 0, tile_position=(0, r0), tile_size=(P, W))
+        job.pT = None
+        job.grp.psm.accumulate_o(O, job.alpha, mode="stt", copy_engine="vector")
 
     def _evict(self, dst, src):
         """PSUM -> SBUF copies alternating between ScalarE and VectorE."""
@@ -566,12 +673,22 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
     T = tokens_per_partition(1, D_QK, 1 if is_fp8 else 2, bs, max_len=int(sl.max(initial=1)))
     lay = KVLayout(bt is not None, bs or 0, 1, D_QK, T)
     items = plan_split_kv([int(x) for x in sl], lay.tile_keys, lnc, s_q=s_q)
+    W, nslot = slots(s_q * H, T)
     plan = MLAPlan(B=B, s_q=s_q, H=H, layout=lay, seq_lens=tuple(int(x) for x in sl), items=items,
                    qk_mul=scale * kvs, v_mul=kvs, return_lse=bool(return_lse),
-                   out_dtype=nl.bfloat16)
+                   out_dtype=nl.bfloat16, W=W, nslot=nslot)
     rowtab = row_table(plan)
     res = launch(mla_decode_kernel, q_nope, q_rope, kv_cache, bt, rowtab, plan, lnc=lnc)
     return tuple(res) if return_lse else res
+
+
+def slots(rows: int, T: int):
+    """``(W, nslot)``: query rows per PE column tile and tiles side by side. Up to 32 rows: 4
+    slots of 32, up to 64: 2 of 64 (when a tile's T slices split evenly), else one layout."""
+    for w in (32, 64):
+        if rows <= w and T % (P // w) == 0:
+            return w, P // w
+    return P, 1
 
 
 def row_table(plan: MLAPlan):

@@ -1,0 +1,298 @@
+"""MLA decode against its NumPy references: the absorbed form and the unabsorbed one computed from
+W_DKV / W_UK / W_UV-style weights (a small random DeepSeek-style config: latent 512, rope 64, nope
+128, v 128 per head), so the absorption convention is pinned; paged caches with NaN in every slot
+a sequence does not own and shuffled block tables, contiguous caches, s_q 1..4, the packed
+few-row layout (H s_q <= 64) and the row layout, empty / length-1 sequences, FP8 caches, LNC=2
+split-KV, both targets; every refusal. Lengths up to 65536 run behind ``-m slow``.
+
+Accuracy rule (reference/compare.py): kernel error <= 2 x the error of a same-precision reference
+(probabilities rounded to bf16 for P @ V, output rounded to bf16) + 1e-3, both against a float64
+reference; lse by the same rule.
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nki_kernels import mla_decode
+from nki_kernels.attention.mla_decode import slots
+from nki_kernels.emulator import target
+from nki_kernels.reference.compare import assert_attention_close
+from nki_kernels.reference.mla_decode import (
+    MLAConfig,
+    absorb_q,
+    apply_w_uv,
+    bytes_mla_decode,
+    flops_mla_decode,
+    latent_rows,
+    mla_decode_ref,
+    mla_unabsorbed_ref,
+    random_weights,
+)
+from nki_kernels.reference.shapes import DEEPSEEK_V3, MLA_MODELS, mla_decode_of
+
+BF16 = ml_dtypes.bfloat16
+FP8 = {"trn2": ml_dtypes.float8_e4m3, "trn3": ml_dtypes.float8_e4m3fn}
+SCALE = 192 ** -0.5
+
+
+def _paged(rng, rows, lens, bs, dtype, spare=3):
+    """A paged cache holding ``rows[b]`` ([L_b, 576] float32) in shuffled pages; every slot no
+    sequence owns (page tails, spare pages) is NaN; table entries past the end are garbage."""
+    need = [-(-L // bs) for L in lens]
+    nb = sum(need) + spare
+    cache = np.full((nb, bs, 576), np.nan, dtype=np.float32)
+    perm = rng.permutation(nb)
+    table = np.full((len(lens), max(need) + 2), -5, dtype=np.int32)
+    i = 0
+    for b, (L, n) in enumerate(zip(lens, need)):
+        pages = perm[i:i + n]
+        i += n
+        table[b, :n] = pages
+        flat = np.full((n * bs, 576), np.nan, dtype=np.float32)
+        flat[:L] = rows[b]
+        cache[pages] = flat.reshape(n, bs, 576)
+    return cache.astype(dtype), table
+
+
+def _inputs(rng, B, s_q, H, lens, bs=None, dtype=BF16, S_max=None):
+    qn = rng.standard_normal((B, s_q, H, 512), dtype=np.float32).astype(BF16)
+    qr = rng.standard_normal((B, s_q, H, 64), dtype=np.float32).astype(BF16)
+    rows = [rng.standard_normal((L, 576), dtype=np.float32) for L in lens]
+    if bs:
+        kv, table = _paged(rng, rows, lens, bs, dtype)
+    else:
+        S = S_max or max(max(lens), 1) + 3
+        kv = np.full((B, S, 576), np.nan, dtype=np.float32)     # past each length: NaN
+        for b, r in enumerate(rows):
+            kv[b, :len(r)] = r
+        kv, table = kv.astype(dtype), None
+    return qn, qr, kv, table
+
+
+def _check(qn, qr, kv, lens, table=None, kv_scale=None, lnc=1, what="mla_decode"):
+    o, lse = mla_decode(qn, qr, kv, np.asarray(lens), block_table=table, scale=SCALE,
+                        kv_scale=kv_scale, lnc=lnc)
+    assert o.shape == qn.shape and np.dtype(o.dtype) == np.dtype(BF16)
+    assert lse.shape == qn.shape[:3] and lse.dtype == np.float32
+    kw = dict(block_table=table, scale=SCALE, kv_scale=kv_scale)
+    exact = mla_decode_ref(qn, qr, kv, lens, compute_dtype=np.float64, **kw)
+    same = mla_decode_ref(qn, qr, kv, lens, p_dtype="bfloat16", out_dtype="bfloat16", **kw)
+    assert_attention_close(o, same[0], exact[0], what=what)
+    live = np.asarray(lens) > 0                  # empty slots: lse -inf, checked by the caller
+    assert_attention_close(lse[live], same[1][live], exact[1][live], what=f"{what} lse")
+    return o, lse
+
+
+# ------------------------------------------------------------------ absorption convention pinned
+
+
+def test_absorbed_reference_equals_unabsorbed_reference():
+    rng = np.random.default_rng(1)
+    cfg = MLAConfig(heads=3)
+    w_dkv, w_kr, w_uk, w_uv = random_weights(cfg, rng)
+    lens = [37, 5]
+    x = [rng.standard_normal((L, cfg.hidden)) for L in lens]
+    cache = np.zeros((2, 40, cfg.cache_dim), dtype=np.float32)
+    for b, L in enumerate(lens):
+        cache[b, :L] = latent_rows(x[b], w_dkv, w_kr, np.arange(L))
+    qh = rng.standard_normal((2, 2, cfg.heads, cfg.nope_dim))
+    qr = rng.standard_normal((2, 2, cfg.heads, cfg.rope_dim))
+    o_u, lse_u = mla_unabsorbed_ref(qh, qr, cache, lens, w_uk, w_uv, scale=cfg.softmax_scale)
+    o_lat, lse_a = mla_decode_ref(absorb_q(qh, w_uk).astype(np.float64), qr, cache, lens,
+                                  scale=cfg.softmax_scale, compute_dtype=np.float64)
+    np.testing.assert_allclose(apply_w_uv(o_lat, w_uv), o_u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse_a, lse_u, rtol=1e-5, atol=1e-5)
+    # a wrong convention (W_UK applied on the other side) would not agree
+    wrong = np.einsum("bshn,hnl->bshl", qh, np.swapaxes(w_uk, 1, 2)[:, :, ::-1])
+    o_w, _ = mla_decode_ref(wrong, qr, cache, lens, scale=cfg.softmax_scale,
+                            compute_dtype=np.float64)
+    assert np.abs(apply_w_uv(o_w, w_uv) - o_u).max() > 1e-3
+
+
+def test_kernel_agrees_with_unabsorbed_mla(tgt):
+    """DeepSeek-style weights: hidden -> W_DKV / W_KR latent cache (paged, NaN-poisoned,
+    shuffled), per-head q_nope absorbed through W_UK; the kernel's o_lat through W_UV matches the
+    unabsorbed computation."""
+    rng = np.random.default_rng(2)
+    cfg = MLAConfig(heads=4)
+    w_dkv, w_kr, w_uk, w_uv = random_weights(cfg, rng)
+    lens = [1100, 130]
+    rows = [latent_rows(rng.standard_normal((L, cfg.hidden)), w_dkv, w_kr, np.arange(L))
+            for L in lens]
+    kv, table = _paged(rng, rows, lens, 64, BF16)
+    s_q = 2
+    qh = rng.standard_normal((2, s_q, cfg.heads, cfg.nope_dim)).astype(np.float32)
+    qr = rng.standard_normal((2, s_q, cfg.heads, cfg.rope_dim)).astype(BF16)
+    q_lat = absorb_q(qh, w_uk).astype(BF16)
+    o_lat, lse = mla_decode(q_lat, qr, kv, lens, block_table=table, scale=cfg.softmax_scale)
+    kvf = kv.astype(np.float32)
+    exact, lse_x = mla_unabsorbed_ref(qh, qr.astype(np.float32), kvf, lens, w_uk, w_uv,
+                                      block_table=table, scale=cfg.softmax_scale)
+    same, lse_s = mla_decode_ref(q_lat, qr, kv, lens, block_table=table, p_dtype="bfloat16",
+                                 out_dtype="bfloat16", scale=cfg.softmax_scale)
+    assert_attention_close(apply_w_uv(o_lat, w_uv), apply_w_uv(same, w_uv), exact,
+                           what="mla_decode vs unabsorbed")
+    assert_attention_close(lse, lse_s, lse_x, what="mla_decode lse vs unabsorbed")
+
+
+# ---------------------------------------------------------------------------- layouts, lengths
+
+CASES = [
+    # B, s_q, H, lens, block size (None = contiguous)
+    pytest.param(2, 1, 16, [1100, 1], 16, id="H16-paged16-packed4-L1"),
+    pytest.param(1, 2, 32, [1200], 64, id="H32-sq2-paged64-packed2"),
+    pytest.param(3, 4, 32, [4, 0, 261], None, id="H32-sq4-contig-empty"),
+    pytest.param(1, 1, 128, [777], 32, id="H128-paged32"),
+    pytest.param(1, 3, 48, [140], None, id="H48-sq3-two-row-groups"),
+]
+
+
+@pytest.mark.parametrize("B, s_q, H, lens, bs", CASES)
+def test_mla_decode_layouts(tgt, B, s_q, H, lens, bs):
+    rng = np.random.default_rng(len(lens) * 7 + H + s_q)
+    qn, qr, kv, table = _inputs(rng, B, s_q, H, lens, bs)
+    o, lse = _check(qn, qr, kv, lens, table, what=f"mla_decode {tgt}")
+    for b, L in enumerate(lens):
+        if L == 0:
+            assert np.all(o[b].astype(np.float32) == 0) and np.all(np.isneginf(lse[b]))
+
+
+def test_slot_plan():
+    assert slots(16, 8) == (32, 4)
+    assert slots(32, 8) == (32, 4)
+    assert slots(48, 8) == (64, 2)
+    assert slots(64, 16) == (64, 2)
+    assert slots(16, 2) == (64, 2)          # 4 slots need T % 4 == 0
+    assert slots(16, 1) == (128, 1)
+    assert slots(128, 8) == (128, 1)
+
+
+def test_mla_decode_fp8(tgt):
+    rng = np.random.default_rng(5)
+    dt = FP8[tgt]
+    lens = [2200]
+    qn, qr, kv, table = _inputs(rng, 1, 1, 16, lens, 64, dtype=dt)
+    # range limits of the format, scaled back by kv_scale
+    kv[0, 0, 0:4] = np.array([448.0 if tgt == "trn3" else 240.0, -2.0 ** -6, 0.0, 1.0],
+                             dtype=np.float32).astype(dt)
+    _check(qn, qr, kv, lens, table, kv_scale=0.125, what=f"mla_decode fp8 {tgt}")
+
+
+def test_mla_decode_lnc2_split():
+    """LNC=2: the long sequence is cut in parts run on both cores and merged."""
+    rng = np.random.default_rng(6)
+    lens = [2100, 40]
+    qn, qr, kv, table = _inputs(rng, 2, 1, 16, lens, 128)
+    with target("trn3"):
+        _check(qn, qr, kv, lens, table, lnc=2, what="mla_decode lnc=2")
+
+
+def test_lengths_are_independent_of_the_rest_of_the_cache():
+    """Changing cache rows past a sequence's length (or other sequences) changes nothing."""
+    rng = np.random.default_rng(8)
+    lens = [600, 90]
+    qn, qr, kv, _ = _inputs(rng, 2, 1, 16, lens, S_max=700)
+    a, _ = mla_decode(qn, qr, kv, lens, scale=SCALE)
+    kv2 = kv.copy()
+    kv2[0, 600:] = BF16(7.0)
+    kv2[1, 90:] = BF16(-3.0)
+    b, _ = mla_decode(qn, qr, kv2, lens, scale=SCALE)
+    np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32))
+    kv2[0, 599] = BF16(50.0)                 # the last valid row does count
+    c, _ = mla_decode(qn, qr, kv2, lens, scale=SCALE)
+    assert not np.array_equal(a[0].astype(np.float32), c[0].astype(np.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("L, H, s_q, bs", [(65536, 16, 1, 64), (16384, 128, 2, None),
+                                           (40000, 32, 2, 256)])
+def test_mla_decode_long(tgt, L, H, s_q, bs):
+    rng = np.random.default_rng(L)
+    qn, qr, kv, table = _inputs(rng, 1, s_q, H, [L], bs)
+    _check(qn, qr, kv, [L], table, what=f"mla_decode L={L}")
+
+
+# ------------------------------------------------------------------------------- bench, shapes
+
+
+def test_bench_formulas_and_rows():
+    lens = [4096, 100]
+    assert flops_mla_decode(lens, 2, 16) == 2.0 * 2 * 16 * 4196 * (512 + 512 + 64)
+    assert bytes_mla_decode(lens, 1, 16, 2) == 4196 * 576 * 2 + 2 * 16 * 576 * 2 + 2 * 16 * 512 * 2
+    s = mla_decode_of(DEEPSEEK_V3, 32768, batch=32, page_size=64, kv_dtype="fp8")
+    assert s.n_heads == 128 and s.kv_lora_rank + s.rope_dim == 576 and s.batch == 32
+    heads = {r.n_heads for r in MLA_MODELS}
+    assert heads == {128, 16}
+    assert {r.q_len for r in MLA_MODELS} == {1, 2}
+    assert {r.batch for r in MLA_MODELS} == {1, 32, 128}
+    assert {max(r.lens) for r in MLA_MODELS} == {4096, 32768}
+    assert {r.kv_dtype for r in MLA_MODELS} == {"bfloat16", "fp8"}
+    with pytest.raises(ValueError, match="no multi-head latent attention"):
+        from nki_kernels.reference.shapes import LLAMA3_8B
+        mla_decode_of(LLAMA3_8B, 4096)
+
+
+# ---------------------------------------------------------------------------------- refusals
+
+
+def _ok(B=1, s_q=1, H=16, L=8):
+    rng = np.random.default_rng(0)
+    qn = rng.standard_normal((B, s_q, H, 512), dtype=np.float32).astype(BF16)
+    qr = rng.standard_normal((B, s_q, H, 64), dtype=np.float32).astype(BF16)
+    kv = rng.standard_normal((B, L, 576), dtype=np.float32).astype(BF16)
+    return qn, qr, kv
+
+
+def test_refusals():
+    qn, qr, kv = _ok()
+    lens = np.array([8])
+    E = (ValueError, TypeError)
+
+    def bad(match, *args, **kw):
+        a = dict(zip(("qn", "qr", "kv", "lens"), (qn, qr, kv, lens)))
+        a.update(dict(zip(("qn", "qr", "kv", "lens"), args)))
+        kw.setdefault("scale", SCALE)
+        with pytest.raises(E, match=match):
+            mla_decode(a["qn"], a["qr"], a["kv"], a["lens"], **kw)
+
+    bad(r"mla_decode: q_nope must be \[B, s_q, H, 512\]", qn[..., :256])
+    bad(r"mla_decode: q_rope must be \[B, s_q, H, 64\]", qn, qr[..., :32])
+    bad(r"q_rope must be \[B=1, s_q=1, H=16, 64\] like q_nope", qn, np.concatenate([qr, qr], 2))
+    q5, r5, _ = _ok(s_q=5)
+    bad(r"s_q \(new tokens per sequence\) must be 1 to 4; got 5", q5, r5)
+    bad(r"q_nope.dtype must be bfloat16; got float32", qn.astype(np.float32))
+    bad(r"q_rope.dtype must be bfloat16; got float16", qn, qr.astype(np.float16))
+    bad(r"kv_cache must be \[B, S_max, 576\]", qn, qr, kv[..., :512])
+    bad(r"kv_cache.dtype must be bfloat16 or float8_e4m3fn", qn, qr, kv.astype(np.float32))
+    bad(r"an FP8 kv_cache needs kv_scale", qn, qr, kv.astype(ml_dtypes.float8_e4m3fn))
+    bad(r"kv_scale applies to FP8 caches only", kv_scale=0.5)
+    bad(r"kv_scale must be a finite scalar > 0", qn, qr, kv.astype(ml_dtypes.float8_e4m3fn),
+        kv_scale=-1.0)
+    bad(r"scale must be a finite scalar > 0; got nan", scale=float("nan"))
+    bad(r"scale must be a finite scalar > 0; got 0", scale=0)
+    bad(r"return_lse must be a bool", return_lse=1)
+    bad(r"lnc must be 1 or 2; got 3", lnc=3)
+    bad(r"seq_lens must be an integer array; got dtype float64", qn, qr, kv, np.array([8.0]))
+    bad(r"seq_lens must have one length per sequence \(B = 1\)", qn, qr, kv, np.array([8, 8]))
+    bad(r"seq_lens must be 0 \(an empty slot\) or >= s_q", qn, qr, kv, np.array([-1]))
+    bad(r"seq_lens up to 9 exceed the cache's S_max = 8", qn, qr, kv, np.array([9]))
+    bad(r"a contiguous kv_cache must be \[B=1, S_max, 576\]", qn, qr,
+        np.concatenate([kv, kv], 0))
+    pages = np.zeros((4, 16, 576), dtype=BF16)
+    bad(r"block_size \(kv_cache.shape\[1\]\) must be one of", qn, qr, np.zeros((4, 12, 576), BF16),
+        block_table=np.zeros((1, 2), np.int32))
+    bad(r"block_table must be \[B=1, max_blocks\]", qn, qr, pages,
+        block_table=np.zeros((2, 2), np.int32))
+    bad(r"block_table must be an integer array", qn, qr, pages,
+        block_table=np.zeros((1, 2), np.float32))
+    bad(r"exceed the block table's capacity 1 blocks x 16", qn, qr, pages, np.array([17]),
+        block_table=np.zeros((1, 1), np.int32))
+    bad(r"block_table\[0\] has entries out of range \[0, 4\)", qn, qr, pages,
+        block_table=np.array([[4, 0]], np.int32))
+    with target("trn2"):
+        bad(r"kv_cache.dtype must be bfloat16 or float8_e4m3 \(FP8 on this target\); got "
+            r"float8_e4m3fn", qn, qr, kv.astype(ml_dtypes.float8_e4m3fn), kv_scale=1.0)
+    with target("trn1"):
+        bad(r"mla_decode", qn, qr, kv)
+    with pytest.raises(TypeError):
+        mla_decode(qn, qr, kv, lens)                     # scale is required (keyword-only)
