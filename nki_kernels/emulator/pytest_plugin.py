@@ -240,9 +240,18 @@ def pytest_collection_finish(session):
     _patch_harness_bugs()
 
 
+_CPU = {}
+
+
+def pytest_runtest_call(item):
+    import time
+    _CPU[item.nodeid] = time.process_time()
+
+
 def pytest_runtest_logreport(report):
-    """With ``NKI_SUITE_TIMES=path``: one tab-separated line per test phase (outcome, seconds,
-    first line of the failure) appended as it finishes, so partial runs can be tallied."""
+    """With ``NKI_SUITE_TIMES=path``: one tab-separated line per test phase (outcome, wall
+    seconds, first line of the failure, CPU seconds of the call) appended as it finishes, so
+    partial runs can be tallied and timed independently of the machine's load."""
     path = os.environ.get("NKI_SUITE_TIMES")
     if not path or (report.when != "call" and report.outcome == "passed"):
         return
@@ -253,9 +262,11 @@ def pytest_runtest_logreport(report):
         msg = (errs[-1] if errs else (text[-1] if text else ""))[:300]
     elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
         msg = str(report.longrepr[2])[:120]
+    import time
+    cpu = time.process_time() - _CPU.pop(report.nodeid, time.process_time())
     with open(path, "a") as f:
         f.write(f"{report.nodeid}\t{report.when}\t{report.outcome}\t{report.duration:.2f}\t"
-                f"{msg}\n")
+                f"{msg}\t{cpu:.2f}\n")
 
 
 def pytest_report_header(config):
