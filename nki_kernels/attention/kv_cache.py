@@ -35,6 +35,9 @@ P = 128
 RUN_BYTES = 16384      # target contiguous bytes per partition of a KV tile
 MAX_T = 16             # tokens per partition: a tile is <= 2048 keys (4 PSUM banks of fp32 scores)
 MIN_RUN = 4096         # ... but runs of at least 4 KiB (97% DMA efficiency, hardware.md A.6)
+PAGE_REG = False       # paged: page numbers as (1, 1) SBUF offsets (True: a register_load per
+                       # page first; on Llama-3-70B TP8 paged/64 the Sync queue then binds:
+                       # 222 vs 190 us, Trn3 modeled)
 MIN_TILES = 4          # tiles per program wanted for the pipeline (short batches: smaller tiles)
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 
@@ -164,9 +167,10 @@ def load_kv_tile(dst, cache, lay: KVLayout, b: int, k0: int, n: int, idx=None, z
 
 def load_kv_tile_pages(pairs, lay: KVLayout, b: int, k0: int, n: int, bt_sb, page0: int):
     """The paged form of :func:`load_kv_tile` with one DMA per page and cache: each page's
-    physical number is loaded into a register from ``bt_sb [1, pages]`` (int32 SBUF: the
-    sequence's block-table entries from ``page0`` on) and addresses the page through a scalar
-    dynamic offset (any DGE; no per-row index descriptors), shared by K and V. Partitions
+    physical number, an element of ``bt_sb [1, pages]`` (int32 SBUF: the sequence's block-table
+    entries from ``page0`` on), addresses the page as a scalar dynamic offset (a (1, 1) SBUF
+    offset, or a register loaded from it with PAGE_REG; any DGE, no per-row index
+    descriptors), shared by K and V. Partitions
     ``[i R, (i + 1) R)`` of the tile get page ``i`` of the tile (``T`` tokens each; a partial last
     partition gets the remaining keys). ``pairs``: ``(dst [128, T, H_kv, d], cache, zero_tail)``."""
     T, row, R, bs = lay.T, lay.row, lay.R, lay.block_size
@@ -182,8 +186,11 @@ def load_kv_tile_pages(pairs, lay: KVLayout, b: int, k0: int, n: int, bt_sb, pag
     for i in range(-(-n // bs)):
         p0 = i * R
         j = (k0 - page0 * bs) // bs + i            # entry of bt_sb
-        reg = nisa.register_alloc()
-        nisa.register_load(dst=reg, src=bt_sb[0:1, j:j + 1])
+        if PAGE_REG:
+            reg = nisa.register_alloc()
+            nisa.register_load(dst=reg, src=bt_sb[0:1, j:j + 1])
+        else:
+            reg = bt_sb[0:1, j:j + 1]
         full = max(0, min(R, nfull - p0))
         for flat, pages in views:
             if full:
