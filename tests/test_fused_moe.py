@@ -11,7 +11,7 @@ from nki_kernels.emulator import target, trace
 from nki_kernels.moe.fused_moe import choose_blocks, plan_prefill_routing
 from nki_kernels.reference.compare import assert_rows_close, cosine_similarity
 from nki_kernels.reference.fused_moe import fused_moe_ref
-from nki_kernels.reference.shapes import FAST, ODD
+from nki_kernels.reference.shapes import FAST, ODD, QWEN3_30B_A3B
 from nki_kernels.reference.swiglu_mlp import quantize_fp8_per_channel
 
 BF16 = ml_dtypes.bfloat16
@@ -61,6 +61,17 @@ def test_decode(tgt, rng, T, E, k):
 def test_prefill(tgt, rng):
     """Uneven expert loads, blocks of one expert padded to the block size."""
     _run(*_case(rng, 150, 256, 128, 4, 2), "prefill")
+
+
+def test_prefill_model_widths(rng):
+    """Qwen3-30B-A3B's real expert (H 2048, I 768): a 256-token block whose fused gate|up
+    accumulators (12 KiB of PSUM) and 16 down tiles must share PSUM with the output transposes,
+    plus a tail block."""
+    T = QWEN3_30B_A3B.hidden // 8 + 10
+    x, wgu, wd, _, _ = _case(rng, T, QWEN3_30B_A3B.hidden, QWEN3_30B_A3B.moe_intermediate, 2, 1)
+    ids = np.zeros((T, 1), np.int32)
+    ids[-4:] = 1
+    _run(x, wgu, wd, rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32), ids, "prefill")
 
 
 def test_regimes_agree(rng):

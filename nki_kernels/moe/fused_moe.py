@@ -90,7 +90,8 @@ def plan_tiles(regime, tb, H, I, w_bytes, tiled) -> MoEPlan:
     fused = 2 * KI <= min(ncap, D.max_tiles_per_pass(tb, 1))
     combined = fused or D.max_tiles_per_pass(tb, 2) >= min(8, KI)
     nf_gu = min(D.max_tiles_per_pass(tb, 2 if combined else 1), ncap, KI)
-    nf_d = min(D.max_tiles_per_pass(tb, 1), ncap, KT)
+    # one bank stays free for the output transposes that run while a down pass is live
+    nf_d = min(D.max_tiles_per_pass(tb, 1, D.PSUM_BYTES - 2048), ncap, KT)
     cols_gu = P if tiled else (2 * nf_gu * P if fused else nf_gu * P)
     cols_d = P if tiled else nf_d * P
     kb_gu = D.k_tiles_per_dma(cols_gu, w_bytes, H, 4096)
@@ -271,6 +272,8 @@ def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink):
             acc = D.gemm_pass([wgu], xT, H, tb, Tp, widths + widths, 0, plan.kb_gu, fp8,
                               tiled=tiled)[0]                                    # [128, 2KI, Tp]
             acc_g, acc_u = acc[:, 0:nf, :], acc[:, nf:2 * nf, :]
+            del acc    # the views keep it until the evictions below; then the down pass may
+            #            take all of PSUM
         elif plan.combined:
             acc_g, acc_u = D.gemm_pass([wg, wu], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
                                        tiled=tiled)
