@@ -1,6 +1,7 @@
-"""transformers integration: tiny random Llama and Qwen3 models (2 layers, hidden 256), stock vs
-patched with apply_nki_kernels (fused qkv_proj / swiglu_mlp blocks, attn_implementation
-"nki_kernels": flash_attention prefill, decode_attention decode) on the same input.
+"""transformers integration: tiny random Llama, Qwen3 and Qwen3-MoE models (2 layers, hidden
+256), stock vs patched with apply_nki_kernels (fused qkv_proj / swiglu_mlp blocks, router_topk +
+fused_moe, attn_implementation "nki_kernels": flash_attention prefill, decode_attention decode)
+on the same input.
 
 * logits: the attention accuracy rule (reference/compare.py) with the stock bf16 model as the
   same-precision reference and the stock model in float64 as the exact one;
@@ -9,6 +10,11 @@ patched with apply_nki_kernels (fused qkv_proj / swiglu_mlp blocks, attn_impleme
   ones whose greedy choices are separated: every stock top-2 margin is more than twice the
   largest logit difference seen between the two models (asserted: no flip is then possible, so
   a differing token is a kernel error, not a near-tie);
+* the whole-model Qwen3-MoE runs route every token to all 4 experts (top_k = E): a top-2-of-8
+  choice flips at near-ties from bf16 rounding alone (seen in a tiny top-2-of-8 model: logit
+  error 0.18 against the stock bf16 model's 0.02, while each block alone matched), and a flip
+  compares different expert sets. Routing with a real choice (top-2 of 8)
+  is checked on one MoE block, where the chosen experts must equal the stock router's;
 * what the kernels cannot express falls back visibly; unsupported modules are listed.
 """
 import copy
@@ -27,7 +33,7 @@ pytestmark = pytest.mark.torch
 VOCAB = 32           # few candidates per step: well-separated greedy choices (module docstring)
 PROMPT, NEW = 16, 16
 # prompt seeds with well-separated greedy choices (found by scanning; the margin is asserted)
-GEN_SEED = {"llama": 40, "qwen3": 5}
+GEN_SEED = {"llama": 40, "qwen3": 5, "qwen3_moe": 29}
 
 
 # transformers 5.x renames the cache argument (past_key_values -> cache)
@@ -41,7 +47,17 @@ def _config(arch):
               initializer_range=0.05)
     if arch == "llama":
         return transformers.LlamaConfig(**kw)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(head_dim=64, moe_intermediate_size=256, num_experts=4,
+                                           num_experts_per_tok=4, norm_topk_prob=True, **kw)
     return transformers.Qwen3Config(head_dim=64, **kw)
+
+
+def _build(arch, **kw):
+    if arch == "qwen3_moe":      # transformers' grouped_mm experts take no float64: eager experts
+        kw["experts_implementation"] = "eager"
+    return transformers.AutoModelForCausalLM.from_config(_config(arch), dtype=torch.bfloat16,
+                                                         **kw).eval()
 
 
 def _fp32_head(model):
@@ -50,12 +66,11 @@ def _fp32_head(model):
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
 def models(request):
     """(arch, stock bf16, patched bf16, report); built once per architecture."""
     torch.manual_seed(0)
-    stock = transformers.AutoModelForCausalLM.from_config(_config(request.param),
-                                                          dtype=torch.bfloat16).eval()
+    stock = _build(request.param)
     patched = copy.deepcopy(stock)
     report = nkt.apply_nki_kernels(patched)
     return request.param, stock, patched, report
@@ -71,23 +86,34 @@ def test_patch_report(models):
     assert patched.config._attn_implementation == "nki_kernels"
     for i in range(2):
         assert f"model.layers.{i}.input_layernorm+self_attn.q/k/v_proj" in report.patched
-        assert f"model.layers.{i}.post_attention_layernorm+mlp" in report.patched
+        if arch == "qwen3_moe":
+            assert report.patched[f"model.layers.{i}.mlp"].startswith("router_topk + fused_moe")
+            assert report.unsupported[f"model.layers.{i}.post_attention_layernorm+mlp.gate"] \
+                .startswith("stock")
+        else:
+            assert f"model.layers.{i}.post_attention_layernorm+mlp" in report.patched
         assert report.unsupported[f"model.layers.{i}.self_attn.o_proj"].startswith("stock")
     assert ("q_norm/k_norm" in report.patched["model.layers.0.input_layernorm+self_attn.q/k/v_proj"]
-            ) == (arch == "qwen3")
+            ) == (arch != "llama")
     assert {"model.embed_tokens", "model.norm", "lm_head"} <= set(report.unsupported)
     assert "patched" in str(report) and "stock" in str(report)
 
 
 def test_weights_are_shared_not_copied(models):
     """The stock q/k/v and gate/up/down weights become views of the fused kernel-layout ones."""
-    _, stock, patched, _ = models
-    layer = patched.model.layers[0]
+    arch, stock, patched, _ = models
+    layer, orig = patched.model.layers[0], stock.model.layers[0]
     assert layer.self_attn.k_proj.weight.data_ptr() == \
         layer.nki_w_qkv[:, layer.self_attn.q_proj.out_features:].data_ptr()
-    assert layer.mlp.gate_proj.weight.data_ptr() == layer.nki_w_gate.data_ptr()
-    assert torch.equal(layer.self_attn.k_proj.weight, stock.model.layers[0].self_attn.k_proj.weight)
-    assert torch.equal(layer.mlp.down_proj.weight, stock.model.layers[0].mlp.down_proj.weight)
+    assert torch.equal(layer.self_attn.k_proj.weight, orig.self_attn.k_proj.weight)
+    if arch == "qwen3_moe":
+        ex = layer.mlp.experts
+        assert ex.gate_up_proj.data_ptr() == layer.nki_moe_gate_up.data_ptr()
+        assert torch.equal(ex.gate_up_proj, orig.mlp.experts.gate_up_proj)
+        assert torch.equal(ex.down_proj, orig.mlp.experts.down_proj)
+    else:
+        assert layer.mlp.gate_proj.weight.data_ptr() == layer.nki_w_gate.data_ptr()
+        assert torch.equal(layer.mlp.down_proj.weight, orig.mlp.down_proj.weight)
 
 
 def test_logits_match_stock(models):
@@ -178,6 +204,34 @@ def test_padding_mask_falls_back_visibly(models):
     assert_attention_close(got[0], same[0], ref[0], what="unpadded row")
 
 
+def test_moe_block_routes_like_stock():
+    """One Qwen3-MoE sparse block with a real choice (top-2 of 8, no renormalisation): the
+    patched block picks the stock router's experts and its output meets the accuracy rule
+    against the float64 block (stock bf16 block as the same-precision reference)."""
+    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=256, moe_intermediate_size=128,
+                                      num_experts=8, num_experts_per_tok=2, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      initializer_range=0.05)
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
+                                                          experts_implementation="eager").eval()
+    layer = model.model.layers[0]
+    exact = copy.deepcopy(layer).double()
+    fused = copy.deepcopy(layer)
+    hf._fuse_moe(fused)
+    h = torch.randn((1, 24, 256), generator=torch.Generator().manual_seed(5)).bfloat16()
+    with torch.no_grad():
+        xn = layer.post_attention_layernorm(h).reshape(24, 256)
+        _, _, want_ids = layer.mlp.gate(xn)
+        w, ids = torch.ops.nki_kernels.router_topk(
+            torch.nn.functional.linear(xn, layer.mlp.gate.weight), 2, "softmax", False)
+        got = hf._moe_back(fused, h)
+        same = h + layer.mlp(layer.post_attention_layernorm(h))
+        ref = h.double() + exact.mlp(exact.post_attention_layernorm(h.double()))
+    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values.int())
+    assert_attention_close(got.float().numpy(), same.float().numpy(), ref.numpy(), what="MoE")
+
+
 def _tiny_attention(Hq=4, Hkv=2):
     m = torch.nn.Module()
     m.is_causal, m.training = True, False
@@ -203,6 +257,23 @@ def test_attention_options_pass_through(sq, skv, opts):
     exact = hf._torch_attention(q.double(), k.double(), v.double(), *args)
     assert got.shape == (2, sq, 4, 64)
     assert_attention_close(got.float().numpy(), same.float().numpy(), exact.numpy())
+
+
+def test_attention_shapes_without_a_kernel_fall_back():
+    """MLA-style v head_dim != q head_dim and fp32 run the plain attention, counted."""
+    g = torch.Generator().manual_seed(9)
+    q, k = (torch.randn((1, 4, 8, 64), generator=g).bfloat16() for _ in range(2))
+    v = torch.randn((1, 4, 8, 32), generator=g).bfloat16()
+    hf.STATS.clear()
+    hf._warned.clear()
+    with pytest.warns(UserWarning, match="v head_dim differs"):
+        o, _ = hf.nki_attention(_tiny_attention(), q, k, v, None, scaling=0.125)
+    with pytest.warns(UserWarning, match="dtype torch.float32"):
+        hf.nki_attention(_tiny_attention(), q.float(), k.float(), k.float(), None)
+    assert o.shape == (1, 8, 4, 32)
+    assert hf.STATS["fallback: v head_dim differs from q/k head_dim (MLA): no kernel for that "
+                    "yet"] == 1
+    assert hf.STATS["fallback: dtype torch.float32 (the kernel takes bfloat16 / float16)"] == 1
 
 
 def test_unsupported_architecture_is_left_alone_and_listed():

@@ -11,10 +11,12 @@
   end: the last query sees every key). What the kernel cannot express (a padding or
   custom mask, dropout in training, fp32, head_dim outside 64/128/192/256) runs a plain torch
   attention instead: counted in :data:`STATS`, warned once per reason, never silently wrong.
-* :func:`apply_nki_kernels` swaps, per decoder layer of a supported architecture, the
-  ``input_layernorm + q/k/v_proj (+ q_norm/k_norm) + RoPE`` front for ``qkv_proj`` and the
-  ``post_attention_layernorm + mlp + residual`` back for ``swiglu_mlp``; everything else is left
-  alone and listed in the returned :class:`PatchReport`.
+* :func:`apply_nki_kernels` swaps, per decoder layer of a supported architecture (Llama, Qwen3,
+  Qwen3-MoE), the ``input_layernorm + q/k/v_proj (+ q_norm/k_norm) + RoPE`` front for
+  ``qkv_proj`` and the ``post_attention_layernorm + mlp + residual`` back for ``swiglu_mlp`` (a
+  sparse MoE block: its routing and experts for ``router_topk + fused_moe``); everything else is
+  left alone and listed in the returned :class:`PatchReport` (DeepSeek-V3: not yet, see
+  ``NOT_YET``).
 """
 from __future__ import annotations
 
@@ -122,6 +124,8 @@ def nki_attention(module, query, key, value, attention_mask, scaling=None, dropo
         reason = f"dtype {query.dtype} (the kernel takes bfloat16 / float16)"
     elif d not in HEAD_DIMS_ATTN:
         reason = f"head_dim {d} (the kernel takes {HEAD_DIMS_ATTN})"
+    elif value.shape[-1] != d or key.shape[-1] != d:
+        reason = "v head_dim differs from q/k head_dim (MLA): no kernel for that yet"
     elif causal and Sq > Skv:
         reason = f"S_q {Sq} > S_kv {Skv}"
     elif attention_mask is not None:
@@ -167,6 +171,18 @@ def register_attention(name: str = NAME, *, decode: str | None = None):
 ARCHS = {
     "llama": {"attn": ("LlamaAttention",), "mlp": ("LlamaMLP",), "norm": ("LlamaRMSNorm",)},
     "qwen3": {"attn": ("Qwen3Attention",), "mlp": ("Qwen3MLP",), "norm": ("Qwen3RMSNorm",)},
+    # sparse layers: the norm and the router GEMM stay stock; router_topk (softmax, top-k,
+    # renormalize) + fused_moe replace the routing and the experts
+    "qwen3_moe": {"attn": ("Qwen3MoeAttention",), "mlp": ("Qwen3MoeMLP",),
+                  "moe": ("Qwen3MoeSparseMoeBlock",), "norm": ("Qwen3MoeRMSNorm",)},
+}
+
+
+# architectures known and refused, with the reason (everything else: "not supported")
+NOT_YET = {
+    "deepseek_v3": "MLA attention has no nki kernel yet (mla_decode), and its MoE routing "
+                   "(sigmoid, group-limited, shared experts) is not wired to router_topk / "
+                   "fused_moe yet",
 }
 
 
@@ -214,9 +230,27 @@ def _attn_problem(layer, arch):
     return None
 
 
+def _moe_problem(layer):
+    moe = layer.mlp
+    ex, gate = getattr(moe, "experts", None), getattr(moe, "gate", None)
+    if ex is None or gate is None or not hasattr(ex, "gate_up_proj"):
+        return f"MoE block {_cls(moe)}: expected fused experts (gate_up_proj, down_proj) and a router"
+    if not isinstance(ex.act_fn, nn.SiLU) and _cls(ex.act_fn) != "SiLUActivation":
+        return f"expert activation {_cls(ex.act_fn)}: fused_moe computes SiLU"
+    if ex.gate_up_proj.dtype != torch.bfloat16 or ex.down_proj.dtype != torch.bfloat16:
+        return f"expert weights are {ex.gate_up_proj.dtype}: fused_moe takes bfloat16"
+    if getattr(ex, "has_bias", False) or getattr(gate, "bias", None) is not None:
+        return "expert or router biases: not supported"
+    return None
+
+
 def _mlp_problem(layer, arch):
     mlp = getattr(layer, "mlp", None)
     norm = getattr(layer, "post_attention_layernorm", None)
+    if mlp is not None and _cls(mlp) in arch.get("moe", ()):
+        if norm is None or _cls(norm) not in arch["norm"]:
+            return f"post-attention norm {_cls(norm)} has no fused equivalent"
+        return _moe_problem(layer)
     if mlp is None or _cls(mlp) not in arch["mlp"]:
         return f"MLP class {_cls(mlp)} has no fused equivalent (sparse MoE needs fused_moe)"
     if norm is None or _cls(norm) not in arch["norm"]:
@@ -258,6 +292,30 @@ def _fuse_mlp(layer):
         w = lin.weight.detach().t().contiguous()         # [in, out]
         layer.register_buffer(f"nki_w_{name}", w, persistent=False)
         _share(lin, w.t())
+
+
+def _fuse_moe(layer):
+    ex = layer.mlp.experts
+    w_gu = ex.gate_up_proj.detach().transpose(1, 2).contiguous()     # [E, H, 2I]: gate | up
+    w_d = ex.down_proj.detach().transpose(1, 2).contiguous()         # [E, I, H]
+    layer.register_buffer("nki_moe_gate_up", w_gu, persistent=False)
+    layer.register_buffer("nki_moe_down", w_d, persistent=False)
+    ex.gate_up_proj = nn.Parameter(w_gu.transpose(1, 2), requires_grad=ex.gate_up_proj.requires_grad)
+    ex.down_proj = nn.Parameter(w_d.transpose(1, 2), requires_grad=ex.down_proj.requires_grad)
+
+
+def _moe_back(layer, h):
+    """post_attention_layernorm and the router GEMM (stock), router_topk + fused_moe, residual."""
+    B, S, H = h.shape
+    gate = layer.mlp.gate
+    xn = layer.post_attention_layernorm(h).reshape(B * S, H)
+    logits = nn.functional.linear(xn, gate.weight)                   # [T, E] as transformers
+    ops = _torch_ops()
+    w, ids = ops.router_topk(logits, int(gate.top_k), "softmax", bool(gate.norm_topk_prob),
+                             None, None, None, 1.0)
+    y = ops.fused_moe(xn, layer.nki_moe_gate_up, layer.nki_moe_down, w, ids, None, None, None,
+                      None, None, None, 0, None, None)
+    return h + y.view(B, S, H)
 
 
 def _qkv_front(layer, x, position_embeddings):
@@ -312,6 +370,8 @@ def _patched_forward(self, hidden_states, *args, **kwargs):
         h = self.input_layernorm(hidden_states)
         attn_out, _ = attn(hidden_states=h, **kwargs)
     hidden_states = residual + attn_out
+    if self.nki_fused_mlp == "moe":
+        return _moe_back(self, hidden_states)
     if self.nki_fused_mlp:
         B, S, H = hidden_states.shape
         x = hidden_states.reshape(B * S, H)
@@ -336,7 +396,7 @@ def apply_nki_kernels(model, *, attention: bool = True, blocks: bool = True) -> 
       q/k/v and gate/up/down weights become views of the fused, kernel-layout copies, so memory
       does not grow; patch after loading weights (reloading afterwards breaks the sharing).
     Returns a :class:`PatchReport` listing what was swapped and what stayed stock and why.
-    Supported: ``ARCHS`` (Llama, Qwen3). Everything else is left alone and listed.
+    Supported: ``ARCHS`` (Llama, Qwen3, Qwen3-MoE). Everything else is left alone and listed.
     """
     cfg = model.config
     mtype = getattr(cfg, "model_type", type(model).__name__)
@@ -351,7 +411,8 @@ def apply_nki_kernels(model, *, attention: bool = True, blocks: bool = True) -> 
             continue
         if arch is None:
             report.unsupported[name] = f"architecture {mtype!r} not supported (supported: " \
-                                       f"{', '.join(ARCHS)})"
+                                       f"{', '.join(ARCHS)})" + (f": {NOT_YET[mtype]}"
+                                                                 if mtype in NOT_YET else "")
             continue
         if not blocks:
             continue
@@ -364,13 +425,21 @@ def apply_nki_kernels(model, *, attention: bool = True, blocks: bool = True) -> 
             report.unsupported[f"{name}.self_attn.o_proj"] = "stock nn.Linear (no fused kernel)"
         else:
             report.unsupported[f"{name}.input_layernorm+self_attn"] = pa
-        if pm is None:
+        back = None
+        if pm is None and _cls(mod.mlp) in arch.get("moe", ()):
+            back = "moe"
+            _fuse_moe(mod)
+            report.patched[f"{name}.mlp"] = "router_topk + fused_moe (experts and routing)"
+            report.unsupported[f"{name}.post_attention_layernorm+mlp.gate"] = \
+                "stock (the norm and the router GEMM run in torch)"
+        elif pm is None:
+            back = "mlp"
             _fuse_mlp(mod)
             report.patched[f"{name}.post_attention_layernorm+mlp"] = \
                 "swiglu_mlp (RMSNorm + SwiGLU + residual)"
         else:
             report.unsupported[f"{name}.post_attention_layernorm+mlp"] = pm
-        mod.nki_fused_attn, mod.nki_fused_mlp = pa is None, pm is None
+        mod.nki_fused_attn, mod.nki_fused_mlp = pa is None, back
         if pa is None or pm is None:
             mod.forward = types.MethodType(_patched_forward, mod)
     for name in ("model.embed_tokens", "model.norm", "lm_head"):
@@ -389,4 +458,4 @@ def _has(model, path):
 
 
 __all__ = ["nki_attention", "register_attention", "apply_nki_kernels", "PatchReport", "ARCHS",
-           "STATS", "NAME"]
+           "NOT_YET", "STATS", "NAME"]
