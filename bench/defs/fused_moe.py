@@ -3,9 +3,11 @@
 Shapes: ``reference.shapes`` tier ``.moe``; in the MODELS tier the fused-MoE targets
 ``shapes.MOE_TARGETS`` (Qwen3-30B-A3B; DeepSeek-V3 as one EP rank of 8 = 32 local experts, one
 shared expert, sigmoid routing with groups; Mixtral-8x7B at TP8; T = 1, 8, 64, 4096), each in
-bf16 and with FP8 e4m3 tile-major weights (``tile_expert_weights``, done once in ``make_inputs``,
-not timed). The other MODELS entries (whole unsharded layers, tens of GB of weights) are not
-benched.
+bf16 and with FP8 e4m3 weights and per-channel scales, both in the row-major checkpoint layout:
+for experts the tile-major layout gives *shorter* DMA runs (a run is bounded by one feature
+tile's K extent, I bytes for an FP8 down projection: 768 B for Qwen3-30B-A3B), while row-major
+rows are 2I (gate|up) and H (down) bytes long (docs/moe.md). The other MODELS entries (whole
+unsharded layers, tens of GB of weights) are not benched.
 
 Routing is drawn once per case with a fixed seed (``router_topk_ref`` on normal logits over the
 global experts), so FLOPs and bytes count what this routing needs: FLOPs of the local (token,
@@ -20,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from nki_kernels.bench.defs import BenchCase, check_rows, register
-from nki_kernels.moe.fused_moe import DECODE_T_MAX, fused_moe, tile_expert_weights
+from nki_kernels.moe.fused_moe import DECODE_T_MAX, fused_moe
 from nki_kernels.reference import shapes
 from nki_kernels.reference.compare import cosine_similarity
 from nki_kernels.reference.fused_moe import (
@@ -75,11 +77,10 @@ def moe_case(s: shapes.MoEShape, dtype: str = "bf16") -> BenchCase:
         if not fp8:
             return (x, w, ids, *[a.astype(BF16) for a in ws + sh])
         qe = [[quantize_fp8_per_channel(a, E4M3) for a in wt] for wt in ws]
-        exp = [tile_expert_weights(np.stack([a for a, _ in q])) for q in qe]
+        exp = [np.stack([a for a, _ in q]) for q in qe]
         sc = [np.stack([c for _, c in q]) for q in qe]
         qs = [quantize_fp8_per_channel(a, E4M3) for a in sh]
-        from nki_kernels import tile_weight
-        return (x, w, ids, *exp, *[tile_weight(a) for a, _ in qs], *sc, *[c for _, c in qs])
+        return (x, w, ids, *exp, *[a for a, _ in qs], *sc, *[c for _, c in qs])
 
     def run(x, w, ids, wgu, wd, *rest):
         kw = {}
