@@ -1,8 +1,9 @@
-"""A PyTorch ``nn.Linear`` replacement backed by the nki-kernels matmul.
+"""A PyTorch ``nn.Linear`` replacement backed by the nki-kernels matmul torch op.
 
-On this machine the kernel runs on the nki-kernels emulator (CPU tensors in, CPU tensors out); on a
-trn instance with the Neuron SDK, ``nki_kernels.backend`` picks the real ``nki`` and the same call
-becomes a custom op on the XLA device.
+``torch.ops.nki_kernels.matmul`` (``nki_kernels.torch.matmul``): on CPU tensors the kernel runs on
+the nki-kernels emulator; on XLA tensors of a trn instance with the Neuron SDK, the real ``nki``
+kernel. It has a fake implementation, so ``torch.compile(layer, fullgraph=True)`` traces it
+(docs/torch.md).
 
     python examples/torch_linear.py
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nki_kernels.dense.matmul import matmul
+from nki_kernels.torch import matmul
 
 
 class NkiLinear(torch.nn.Module):
@@ -39,6 +40,8 @@ def main():
     ref = x.float() @ layer.weight.float() + layer.bias.float()
     err = (y.float() - ref).abs().max().item() / ref.abs().max().item()
     print(f"NkiLinear: out {tuple(y.shape)} {y.dtype}, max relative error vs fp32 {err:.2e}")
+    yc = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    print(f"torch.compile(fullgraph=True): same result {torch.equal(yc, y)}")
 
 
 if __name__ == "__main__":
