@@ -321,3 +321,25 @@ def test_lnc2_programs_interleave_on_shared_hbm():
     x = np.arange(64, dtype=np.float32).reshape(8, 8) + 1
     with emu.target("trn2"):
         np.testing.assert_array_equal(k[2](x), x)
+
+
+def test_quantize_mx_scale_follows_the_version():
+    """NKI 0.3/0.4: the OCP scale 2^(floor(log2 amax) - Emax) with saturation; 0.5+: twice it."""
+    x = np.full((32, 4), 3.0, np.float32)
+    x[0, 0] = 300.0                        # amax 300: floor(log2) = 8, Emax(e4m3fn) = 8
+
+    @jit
+    def k(x):
+        s = nl.ndarray((32, 4), nl.bfloat16)
+        nisa.dma_copy(dst=s, src=x)
+        q = nl.ndarray((32, 1), nl.float8_e4m3fn_x4)
+        sc = nl.ndarray((32, 1), nl.uint8)
+        nisa.memset(sc, 0)
+        nisa.quantize_mx(dst=q, src=s, dst_scale=sc)
+        out = nl.ndarray((32, 1), nl.uint8, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=sc)
+        return out
+    with emu.target("trn3"):
+        with versions.nki_version("0.3"):
+            assert k(x)[0, 0] == 127 + 8 - 8
+        assert k(x)[0, 0] == 127 + 8 - 7

@@ -46,6 +46,7 @@ Spec silent, our choices (listed again in the report):
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from .. import dtypes as dt
@@ -145,11 +146,19 @@ def quantize_mx(dst, src, dst_scale, name=None):
         amax = np.abs(g).max(axis=(1, 3))                        # [P/8, F/4]
     finite = np.isfinite(g).all(axis=(1, 3))
     _, e = np.frexp(np.where(finite, amax, 0).astype(np.float32))  # amax = m * 2**e, m in [.5, 1)
-    xexp = (e.astype(np.int64) - 1) - (emax - 1)
+    # NKI >= 0.5 documents a scale twice the OCP sample algorithm's, 2^(floor(log2 amax) - (Emax-1)),
+    # so the data fits without saturating; NKI 0.3/0.4 (and NKI Library's goldens of that era)
+    # use the OCP scale 2^(floor(log2 amax) - Emax) and saturate to the format's max
+    from .. import versions
+    ocp = not versions.at_least("0.5")
+    xexp = (e.astype(np.int64) - 1) - (emax if ocp else emax - 1)
     xexp = np.where(amax == 0, -127, xexp)
     xexp = np.clip(xexp, -127, 127)                              # spec silent below 2**-127
     sbytes = np.where(finite, xexp + 127, 0xFF).astype(np.uint8)
     q = np.ldexp(g.astype(np.float64), -xexp[:, None, :, None]).astype(np.float32)
+    if ocp:
+        fmax = float(ml_dtypes.finfo(dst.dtype.lane_np).max)
+        q = np.clip(q, -fmax, fmax)
     q = np.where(finite[:, None, :, None], q, np.float32(np.nan))
     dst.write_pf(dt.pack_x4(q.reshape(P, F // 4, 4), dst.dtype), cast=False)
 
