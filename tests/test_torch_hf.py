@@ -30,6 +30,7 @@ from nki_kernels.reference.compare import assert_attention_close  # noqa: E402
 from nki_kernels.torch import hf  # noqa: E402
 
 pytestmark = pytest.mark.torch
+torch.set_num_threads(1)       # one core per test process (pytest -n 2 already uses both)
 VOCAB = 32           # few candidates per step: well-separated greedy choices (module docstring)
 PROMPT, NEW = 16, 16
 # prompt seeds with well-separated greedy choices (found by scanning; the margin is asserted)
@@ -151,6 +152,20 @@ def test_greedy_generation_matches_stock(models):
     assert margin > 2 * diff, (f"prompt not discriminating: min top-2 margin {margin:.3f} <= 2 x "
                                f"logit difference {diff:.3f}; pick another GEN_SEED")
     assert got[0, PROMPT:].tolist() == want.sequences[0, PROMPT:].tolist()
+
+
+def test_patched_model_compiles_fullgraph(models):
+    """torch.compile(fullgraph=True) traces the whole patched model (fused blocks, the attention
+    interface, the ops' fakes) without a graph break, and gives the eager logits."""
+    arch, _, patched, _ = models
+    if arch != "llama":
+        pytest.skip("one architecture is enough: the patched code paths are shared")
+    ids = _prompt(6)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = patched(ids).logits
+        got = torch.compile(patched, fullgraph=True, backend="aot_eager")(ids).logits
+    assert torch.equal(got, want)
 
 
 def test_attention_implementation_from_config():

@@ -15,6 +15,7 @@ from nki_kernels.torch import ops as nko  # noqa: E402
 from nki_kernels.torch._convert import to_numpy  # noqa: E402
 
 pytestmark = pytest.mark.torch
+torch.set_num_threads(1)       # one core per test process (pytest -n 2 already uses both)
 BF = torch.bfloat16
 
 

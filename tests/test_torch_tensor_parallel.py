@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 from nki_kernels.reference.compare import assert_attention_close  # noqa: E402
 
 pytestmark = pytest.mark.torch
+torch.set_num_threads(1)       # one core per test process (pytest -n 2 already uses both)
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tensor_parallel.py"
 _spec = importlib.util.spec_from_file_location("tensor_parallel_example", _PATH)
 tp = importlib.util.module_from_spec(_spec)
