@@ -57,6 +57,7 @@ TAIL_CHOICES = (0, 64, 128)         # tail block sizes (0 = none); 64 = the matm
 BLOCK_COST = 16                     # fixed cost of a block in token-times (plan model, Est)
 RIDGE_TOKENS = 149       # Trn3 bf16 / FP8 ridge in tokens per weight stream (docs/dense.md)
 RIDGE_TOKENS_TRN2 = 217  # Trn2
+DMA_BYTES = 4096         # weight bytes per partition per transfer (8192: no gain, modeled)
 
 
 # ------------------------------------------------------------------------------ host side
@@ -94,8 +95,8 @@ def plan_tiles(regime, tb, H, I, w_bytes, tiled) -> MoEPlan:
     nf_d = min(D.max_tiles_per_pass(tb, 1, D.PSUM_BYTES - 2048), ncap, KT)
     cols_gu = P if tiled else (2 * nf_gu * P if fused else nf_gu * P)
     cols_d = P if tiled else nf_d * P
-    kb_gu = D.k_tiles_per_dma(cols_gu, w_bytes, H, 4096)
-    kb_d = D.k_tiles_per_dma(cols_d, w_bytes, I, 4096)
+    kb_gu = D.k_tiles_per_dma(cols_gu, w_bytes, H, DMA_BYTES)
+    kb_d = D.k_tiles_per_dma(cols_d, w_bytes, I, DMA_BYTES)
     return MoEPlan(regime, tb, combined, nf_gu, nf_d, kb_gu, kb_d, fused)
 
 
@@ -229,13 +230,6 @@ def tile_expert_weights(w):
     return np.stack([tile_weight(np.asarray(w)[e]) for e in range(shape[0])])
 
 
-def _col_layout(s, n):
-    """Per-channel scales ``[E, n]`` -> ``[E, 128, n/128]`` (``out[e, p, t] = s[e, t*128 + p]``):
-    the per-partition column layout of the feature-major GEMM outputs, one DMA run per partition."""
-    E = s.shape[0]
-    return np.ascontiguousarray(s.reshape(E, n // P, P).transpose(0, 2, 1))
-
-
 # ---------------------------------------------------------------------------- kernel side
 def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink):
     """One expert on the token columns of ``xT [128, KT, tb]``: gate/up passes -> the weighted
@@ -315,20 +309,37 @@ def _expert_views(w_gu, w_d, e):
     return w_gu.select(0, e), w_d.select(0, e)
 
 
-def _load_scales(q, s_gu, s_d, e, I, H):
-    """FP8 per-channel scale columns of expert ``e`` (column layout [128, n/128]) into q.ws."""
-    KI, KT = I // P, H // P
-    sgu = nl.ndarray((P, 2 * KI), dtype=nl.float32, buffer=nl.sbuf)          # [128, 2KI]
-    nisa.dma_copy(dst=sgu, src=s_gu.select(0, e) if e is not None else s_gu)
-    sd = nl.ndarray((P, KT), dtype=nl.float32, buffer=nl.sbuf)                # [128, KT]
-    nisa.dma_copy(dst=sd, src=s_d.select(0, e) if e is not None else s_d)
-    q.ws = (sgu[:, 0:KI], sgu[:, KI:2 * KI], sd)
+def _load_scales(q, s_gu, s_d, e, I, H, ident_f):
+    """FP8 per-channel scales of expert ``e`` (rows ``[E, 2I]`` / ``[E, H]``; ``e`` None: the
+    vectors ``[2I]`` / ``[H]`` of the shared expert) -> per-partition columns in ``q.ws``.
+    Each row arrives in one DMA descriptor (a strided load straight into columns would cost one
+    descriptor per partition, ~5% of an FP8 expert's weight stream) and is turned into columns by
+    K=1 PE transposes of its 128-element chunks."""
+    KI = I // P
+    cols = []
+    for src, n in ((s_gu, 2 * I), (s_d, H)):
+        row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)             # [1, n]
+        nisa.dma_copy(dst=row, src=src[nl.ds(e, 1), :] if e is not None else src.reshape((1, n)))
+        ps = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.psum)          # [128, n/128]
+        for j in range(n // P):
+            nisa.nc_matmul(dst=ps[:, j:j + 1], stationary=row[0:1, j * P:(j + 1) * P],
+                           moving=ident_f[0:1, 0:1], is_transpose=True)
+        col = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.sbuf)         # [128, n/128]
+        nisa.tensor_copy(dst=col, src=ps, engine=nisa.engine.scalar)
+        cols.append(col)
+    q.ws = (cols[0][:, 0:KI], cols[0][:, KI:2 * KI], cols[1])
 
 
-def _row_broadcast(src_row, n):
-    """HBM row view ``[1, n]`` (fp32) -> SBUF ``[128, n]``, the same row on every partition."""
-    out = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)                # [128, n]
-    nisa.dma_copy(dst=out, src=src_row.broadcast(0, P))
+def _row_broadcast(src_row, n, ones):
+    """HBM row view ``[1, n]`` (fp32) -> SBUF ``[128, n]``, the same row on every partition: one
+    DMA descriptor, then ``ones[1, 128].T @ row`` on TensorE (a broadcast DMA would move 128
+    short runs, one descriptor each)."""
+    row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)                 # [1, n]
+    nisa.dma_copy(dst=row, src=src_row)
+    ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum)                  # [128, n]
+    nisa.nc_matmul(dst=ps, stationary=ones, moving=row)
+    out = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)                 # [128, n]
+    nisa.tensor_copy(dst=out, src=ps, engine=nisa.engine.scalar)
     return out
 
 
@@ -344,8 +355,8 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
         [E, H/128, 128, KTe, 128]) bf16 or FP8, HBM.
       experts: [1, S] int32 (the first n_active are the distinct chosen local experts).
       n_active: [1, 1] int32.  comb: [S, T] fp32 routing weight of each token per slot.
-      s_gu: [E, 128, 2I/128], s_d: [E, 128, H/128] fp32 FP8 scale columns, else None.
-      sh_gu: [H, 2Is], sh_d: [Is, H] shared expert (ss_gu, ss_d its FP8 scale columns) or None.
+      s_gu: [E, 2I], s_d: [E, H] fp32 FP8 per-channel scales, else None.
+      sh_gu: [H, 2Is], sh_d: [Is, H] shared expert (ss_gu [2Is], ss_d [H] FP8 scales) or None.
       combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused: from MoEPlan.
     Returns:
       y: [T, H] bf16, shared HBM.
@@ -373,6 +384,8 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
     nisa.dma_copy(dst=n_sb, src=n_active)
     ident = D.identity(nl.bfloat16)
     ident_f = D.identity(nl.float32)
+    ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)                 # [1, 128]
+    nisa.memset(dst=ones, value=1.0)
     q = _Fp8(w_gu.dtype, None, None) if fp8 else None
     rows = D.x_rows_normalised(x, 0, T)
     _x_quantize(rows, q, all_steps=True)
@@ -395,7 +408,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
     if sh_gu is not None:      # the shared expert: static weights, every token, weight 1
         Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
         if fp8:
-            _load_scales(q, ss_gu, ss_d, None, Is, H)
+            _load_scales(q, ss_gu, ss_d, None, Is, H, ident_f)
         sp = plan_tiles("decode", T, H, Is, 1 if fp8 else 2, tiled)
         _expert_step(xT, A, T, H, Is, sh_gu, sh_d, None, q, sp, tiled, sink)
 
@@ -407,8 +420,8 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
         nisa.register_load(dst=e, src=ids_sb[0:1, nl.ds(s, 1)])
         wgu, wd = _expert_views(w_gu, w_d, e)
         if fp8:
-            _load_scales(q, s_gu, s_d, e, I, H)
-        wrow = _row_broadcast(comb[nl.ds(s, 1), :], T)                         # [128, T]
+            _load_scales(q, s_gu, s_d, e, I, H, ident_f)
+        wrow = _row_broadcast(comb[nl.ds(s, 1), :], T, ones)                   # [128, T]
         _expert_step(xT, A, T, H, I, wgu, wd, wrow, q, plan, tiled, sink)
 
     nl.fori_loop(0, n_reg, body)
@@ -452,6 +465,8 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
     y32 = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.hbm)
     ident = D.identity(nl.bfloat16)
     ident_f = D.identity(nl.float32)
+    ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)                 # [1, 128]
+    nisa.memset(dst=ones, value=1.0)
     q = _Fp8(w_gu.dtype, None, None) if fp8 else None
     d_widths = [t[1] for t in D.feature_tiles([(0, H, 0)])]
     loops = []
@@ -469,7 +484,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
     if sh_gu is not None:      # y32 = shared(x), token block by token block
         Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
         if fp8:
-            _load_scales(q, ss_gu, ss_d, None, Is, H)
+            _load_scales(q, ss_gu, ss_d, None, Is, H, ident_f)
         for t0, tbs in D.token_blocks(T, loops[0][5].tb):
             sp = plan_tiles("prefill", tbs, H, Is, 1 if fp8 else 2, tiled)
             rows = D.x_rows_normalised(x, t0, tbs)
@@ -496,7 +511,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
             nisa.register_load(dst=e, src=be_sb[0:1, nl.ds(b, 1)])
             wgu, wd = _expert_views(w_gu, w_d, e)
             if fp8:
-                _load_scales(q, s_gu, s_d, e, I, H)
+                _load_scales(q, s_gu, s_d, e, I, H, ident_f)
             subs, sis = [], []
             for s0 in range(0, tb, P):
                 ts = min(P, tb - s0)
@@ -509,7 +524,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
                                                  indirect_dim=0))
                 subs.append((s0, ts, x_sb))
                 sis.append(si)
-            wrow = _row_broadcast(bw[nl.ds(b, 1), :], tb)                        # [128, tb]
+            wrow = _row_broadcast(bw[nl.ds(b, 1), :], tb, ones)                  # [128, tb]
             _x_quantize(subs, q, all_steps=True)
             xT, A = _x_block(subs, tb, H, None, ident, ident_f, q, w_gu.dtype)
 
@@ -640,8 +655,8 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
         if gate_up_scale is None or down_scale is None:
             raise ValueError(f"{name}: FP8 weights need gate_up_scale [E, 2I] and down_scale "
                              f"[E, H]")
-        s_gu = _col_layout(_scales(name, "gate_up_scale", gate_up_scale, (E, 2 * I)), 2 * I)
-        s_d = _col_layout(_scales(name, "down_scale", down_scale, (E, H)), H)
+        s_gu = _scales(name, "gate_up_scale", gate_up_scale, (E, 2 * I))
+        s_d = _scales(name, "down_scale", down_scale, (E, H))
     else:
         if gate_up_scale is not None or down_scale is not None or shared_scales is not None:
             raise ValueError(f"{name}: gate_up_scale / down_scale / shared_scales are only for "
@@ -760,8 +775,8 @@ def _check_shared(name, shared, scales, H, wdt, tiled, fp8):
             raise ValueError(f"{name}: FP8 shared expert needs Is % 128 == 0; got Is={Is}")
         if scales is None or len(scales) != 2:
             raise ValueError(f"{name}: FP8 shared expert needs shared_scales = ([2Is], [H])")
-        ss_gu = _col_layout(_scales(name, "shared_scales[0]", scales[0], (2 * Is,))[None], 2 * Is)[0]
-        ss_d = _col_layout(_scales(name, "shared_scales[1]", scales[1], (H,))[None], H)[0]
+        ss_gu = _scales(name, "shared_scales[0]", scales[0], (2 * Is,))
+        ss_d = _scales(name, "shared_scales[1]", scales[1], (H,))
         return g, d, ss_gu, ss_d
     return g, d, None, None
 
