@@ -152,6 +152,7 @@ def test_greedy_generation_matches_stock(models):
     assert margin > 2 * diff, (f"prompt not discriminating: min top-2 margin {margin:.3f} <= 2 x "
                                f"logit difference {diff:.3f}; pick another GEN_SEED")
     assert got[0, PROMPT:].tolist() == want.sequences[0, PROMPT:].tolist()
+    print(f"{arch}: min top-2 margin {margin:.3f}, max |logit difference| {diff:.3f}")
 
 
 def test_patched_model_compiles_fullgraph(models):

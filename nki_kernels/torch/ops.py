@@ -126,21 +126,20 @@ def _fp8_default(fp8_dtype):
     return fp8_dtype or ("float8_e4m3fn" if _target_gen() >= 4 else "float8_e4m3")
 
 
-def _out_name(out_dtype, a_name):
+def _out_name(out_dtype):
     if out_dtype is None:
         return None
-    name = dtype_name(out_dtype) if isinstance(out_dtype, torch.dtype) else str(out_dtype)
-    return name
+    return dtype_name(out_dtype) if isinstance(out_dtype, torch.dtype) else str(out_dtype)
 
 
 # ------------------------------------------------------------------------------------ matmul
 def _matmul_kernel(a, b, out_dtype=None, lnc=1):
-    return _matmul(a, b, out_dtype=_out_name(out_dtype, None), lnc=lnc)
+    return _matmul(a, b, out_dtype=_out_name(out_dtype), lnc=lnc)
 
 
 def _matmul_ref(a, b, out_dtype=None, lnc=1):
     from ..reference.matmul import matmul_ref
-    name = _out_name(out_dtype, None) or ("float32" if a.dtype == np.float32 else "bfloat16")
+    name = _out_name(out_dtype) or ("float32" if a.dtype == np.float32 else "bfloat16")
     return matmul_ref(a, b, name)
 
 
