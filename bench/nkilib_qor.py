@@ -355,17 +355,48 @@ def fit(results) -> dict:
         out[fam] = {"n": len(sel), "median_abs_ln": statistics.median(abs(x) for x in lr),
                     "median_ratio": math.exp(statistics.median(lr)),
                     "ordered": good, "pairs": total}
+        if len(sel) >= 3:   # t_pub ~ a + b * t_model: a fixed cost the model lacks shows as a > 0
+            xs = [r["modeled_ns"] / 1e3 for r in sel]
+            ys = [r["published_ns"] / 1e3 for r in sel]
+            mx, my = statistics.fmean(xs), statistics.fmean(ys)
+            sxx = sum((x - mx) ** 2 for x in xs)
+            if sxx > 0:
+                b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+                out[fam].update(intercept_us=my - b * mx, slope=b)
     return out
+
+
+BANDS = ((100.0, "< 100 us"), (300.0, "100-300 us"), (1000.0, "300-1000 us"), (math.inf, ">= 1 ms"))
+
+
+def breakdown(results) -> dict:
+    """Ratios t_model / t_pub grouped by (family, LNC, published-time band)."""
+    out = {}
+    for r in results:
+        if not (r.get("modeled_ns") and r.get("published_ns") and r.get("outcome") == "passed"):
+            continue
+        us = r["published_ns"] / 1e3
+        band = next(name for hi, name in BANDS if us < hi)
+        out.setdefault((r["family"], r.get("lnc"), band), []).append(
+            r["modeled_ns"] / r["published_ns"])
+    order = {name: i for i, (_, name) in enumerate(BANDS)}
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, order[kv[0][2]])))
 
 
 def report(results, family=None) -> str:
     if family:
         results = [r for r in results if r["family"] == family]
-    lines = ["| family | n | median \\|ln(t_model/t_pub)\\| | median t_model/t_pub | pairs ordered |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| family | n | median \\|ln(t_model/t_pub)\\| | median t_model/t_pub | pairs ordered "
+             "| t_pub ~ a + b t_model (us) |", "|---|---:|---:|---:|---:|---|"]
     for fam, s in fit(results).items():
+        ab = f"{s['intercept_us']:.1f} + {s['slope']:.2f} t" if "slope" in s else ""
         lines.append(f"| {fam} | {s['n']} | {s['median_abs_ln']:.3f} | {s['median_ratio']:.2f} | "
-                     f"{s['ordered']}/{s['pairs']} |")
+                     f"{s['ordered']}/{s['pairs']} | {ab} |")
+    lines += ["", "| family | LNC | published time | n | median t_model/t_pub |",
+              "|---|---:|---|---:|---:|"]
+    for (fam, lnc, band), rs in breakdown(results).items():
+        lines.append(f"| {fam} | {lnc} | {band} | {len(rs)} | "
+                     f"{math.exp(statistics.median(math.log(x) for x in rs)):.2f} |")
     lines += ["", "| case | LNC | published (us) | modeled (us) | ratio | binds | outcome |",
               "|---|---:|---:|---:|---:|---|---|"]
     for r in sorted(results, key=lambda r: (r["family"], r.get("published_ns") or 0)):
