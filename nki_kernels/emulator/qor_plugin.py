@@ -207,7 +207,8 @@ def pytest_runtest_call(item):
     rec = {"nodeid": item.nodeid, "test": item.originalname,
            "family": (row or {}).get("family") or _family(item.path.name),
            "published_ps": value, "published_ns": value / 1e3, "match": how,
-           "source": f"{row['file']}:{row['line']}" if row else None, "wall_s": round(wall, 1)}
+           "source": f"{row['file']}:{row['line']}" if row else None, "wall_s": round(wall, 1),
+           "row_lnc": (row or {}).get("row_lnc")}
     exc = outcome.excinfo
     if exc is None:
         rec["outcome"] = "passed"
