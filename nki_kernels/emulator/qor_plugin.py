@@ -173,7 +173,9 @@ def model_record(tr, published_ps=None):
            "modeled_ns": rep.makespan_ns, "binding": rep.binding_engine,
            "busy_ns": {k: round(v, 1) for k, v in rep.engine_busy_ns.items() if v},
            "n_instructions": rep.n_instructions, "hbm_bytes": rep.hbm_bytes,
-           "tensor_flops": rep.tensor_flops, "throttle_ns": rep.throttle_ns}
+           "tensor_flops": rep.tensor_flops, "throttle_ns": rep.throttle_ns,
+           "dma_transfers": rep.dma_transfers, "dma_bytes": rep.dma_bytes,
+           "dma_descriptors": rep.dma_descriptors}
     if published_ps:
         rec["ratio"] = rep.makespan_ns / (published_ps / 1e3)
     return rec
