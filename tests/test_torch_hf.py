@@ -34,7 +34,7 @@ torch.set_num_threads(1)       # one core per test process (pytest -n 2 already 
 VOCAB = 32           # few candidates per step: well-separated greedy choices (module docstring)
 PROMPT, NEW = 16, 16
 # prompt seeds with well-separated greedy choices (found by scanning; the margin is asserted)
-GEN_SEED = {"llama": 40, "qwen3": 5, "qwen3_moe": 29}
+GEN_SEED = {"llama": 40, "qwen3": 5, "qwen3_moe": 29, "deepseek_v3": 25}
 
 
 # transformers 5.x renames the cache argument (past_key_values -> cache)
@@ -48,6 +48,12 @@ def _config(arch):
               initializer_range=0.05)
     if arch == "llama":
         return transformers.LlamaConfig(**kw)
+    if arch == "deepseek_v3":    # layer 0 dense, layer 1 MoE (+ shared expert); MLA head dims 64
+        kw.update(num_key_value_heads=4)
+        return transformers.DeepseekV3Config(
+            moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=4, n_group=1,
+            topk_group=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=64,
+            qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, **kw)
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(head_dim=64, moe_intermediate_size=256, num_experts=4,
                                            num_experts_per_tok=4, norm_topk_prob=True, **kw)
@@ -55,7 +61,7 @@ def _config(arch):
 
 
 def _build(arch, **kw):
-    if arch == "qwen3_moe":      # transformers' grouped_mm experts take no float64: eager experts
+    if arch in ("qwen3_moe", "deepseek_v3"):   # grouped_mm experts take no float64: eager ones
         kw["experts_implementation"] = "eager"
     return transformers.AutoModelForCausalLM.from_config(_config(arch), dtype=torch.bfloat16,
                                                          **kw).eval()
@@ -67,7 +73,7 @@ def _fp32_head(model):
     return model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
 def models(request):
     """(arch, stock bf16, patched bf16, report); built once per architecture."""
     torch.manual_seed(0)
@@ -85,6 +91,15 @@ def test_patch_report(models):
     arch, _, patched, report = models
     assert report.attn_implementation == "nki_kernels"
     assert patched.config._attn_implementation == "nki_kernels"
+    if arch == "deepseek_v3":
+        for i in range(2):
+            assert report.unsupported[f"model.layers.{i}.input_layernorm+self_attn"].startswith(
+                "MLA attention")
+        assert report.patched["model.layers.0.post_attention_layernorm+mlp"].startswith(
+            "swiglu_mlp")
+        assert report.patched["model.layers.1.mlp"] == \
+            "router_topk + fused_moe (experts and routing + shared expert)"
+        return
     for i in range(2):
         assert f"model.layers.{i}.input_layernorm+self_attn.q/k/v_proj" in report.patched
         if arch == "qwen3_moe":
@@ -104,6 +119,14 @@ def test_weights_are_shared_not_copied(models):
     """The stock q/k/v and gate/up/down weights become views of the fused kernel-layout ones."""
     arch, stock, patched, _ = models
     layer, orig = patched.model.layers[0], stock.model.layers[0]
+    if arch == "deepseek_v3":
+        moe, orig_moe = patched.model.layers[1], stock.model.layers[1].mlp
+        assert moe.mlp.shared_experts.down_proj.weight.data_ptr() == \
+            moe.nki_moe_shared_down.data_ptr()
+        assert torch.equal(moe.mlp.shared_experts.up_proj.weight, orig_moe.shared_experts.up_proj.weight)
+        assert torch.equal(moe.mlp.experts.down_proj, orig_moe.experts.down_proj)
+        assert torch.equal(layer.mlp.gate_proj.weight, orig.mlp.gate_proj.weight)
+        return
     assert layer.self_attn.k_proj.weight.data_ptr() == \
         layer.nki_w_qkv[:, layer.self_attn.q_proj.out_features:].data_ptr()
     assert torch.equal(layer.self_attn.k_proj.weight, orig.self_attn.k_proj.weight)
@@ -220,18 +243,30 @@ def test_padding_mask_falls_back_visibly(models):
     assert_attention_close(got[0], same[0], ref[0], what="unpadded row")
 
 
-def test_moe_block_routes_like_stock():
-    """One Qwen3-MoE sparse block with a real choice (top-2 of 8, no renormalisation): the
-    patched block picks the stock router's experts and its output meets the accuracy rule
-    against the float64 block (stock bf16 block as the same-precision reference)."""
-    cfg = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=256, moe_intermediate_size=128,
-                                      num_experts=8, num_experts_per_tok=2, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                      initializer_range=0.05)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_moe_block_routes_like_stock(arch):
+    """One sparse block with a real choice (Qwen3-MoE: softmax top-2 of 8, no renormalisation;
+    DeepSeek-V3: sigmoid + correction bias, top-2 of 8 within the best 2 of 4 groups, routed
+    scaling, shared expert): the patched block picks the stock router's experts and its output
+    meets the accuracy rule against the float64 block (stock bf16 block as the same-precision
+    reference)."""
+    common = dict(vocab_size=VOCAB, hidden_size=256, moe_intermediate_size=128,
+                  num_experts_per_tok=2, num_attention_heads=4, initializer_range=0.05)
+    if arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(num_experts=8, num_hidden_layers=1, head_dim=64,
+                                          num_key_value_heads=2, **common)
+    else:
+        cfg = transformers.DeepseekV3Config(n_routed_experts=8, n_group=4, topk_group=2,
+                                            routed_scaling_factor=2.5, num_hidden_layers=1,
+                                            first_k_dense_replace=0, q_lora_rank=64,
+                                            kv_lora_rank=64, qk_rope_head_dim=32,
+                                            qk_nope_head_dim=32, v_head_dim=64, **common)
     torch.manual_seed(4)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
                                                           experts_implementation="eager").eval()
     layer = model.model.layers[0]
+    if arch == "deepseek_v3":
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     exact = copy.deepcopy(layer).double()
     fused = copy.deepcopy(layer)
     hf._fuse_moe(fused)
@@ -239,13 +274,24 @@ def test_moe_block_routes_like_stock():
     with torch.no_grad():
         xn = layer.post_attention_layernorm(h).reshape(24, 256)
         _, _, want_ids = layer.mlp.gate(xn)
-        w, ids = torch.ops.nki_kernels.router_topk(
-            torch.nn.functional.linear(xn, layer.mlp.gate.weight), 2, "softmax", False)
         got = hf._moe_back(fused, h)
+        ids = _routed_ids(layer, xn)
         same = h + layer.mlp(layer.post_attention_layernorm(h))
         ref = h.double() + exact.mlp(exact.post_attention_layernorm(h.double()))
     assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values.int())
     assert_attention_close(got.float().numpy(), same.float().numpy(), ref.numpy(), what="MoE")
+
+
+def _routed_ids(layer, xn):
+    """The experts router_topk picks for ``xn``, with the arguments _moe_back gives it."""
+    gate = layer.mlp.gate
+    if hasattr(gate, "e_score_correction_bias"):
+        return torch.ops.nki_kernels.router_topk(
+            torch.nn.functional.linear(xn.float(), gate.weight.float()), 2, "sigmoid",
+            bool(gate.norm_topk_prob), int(gate.num_group), int(gate.topk_group),
+            gate.e_score_correction_bias.float(), float(gate.routed_scaling_factor))[1]
+    return torch.ops.nki_kernels.router_topk(
+        torch.nn.functional.linear(xn, gate.weight), 2, "softmax", bool(gate.norm_topk_prob))[1]
 
 
 def _tiny_attention(Hq=4, Hkv=2):

@@ -12,11 +12,11 @@
   custom mask, dropout in training, fp32, head_dim outside 64/128/192/256) runs a plain torch
   attention instead: counted in :data:`STATS`, warned once per reason, never silently wrong.
 * :func:`apply_nki_kernels` swaps, per decoder layer of a supported architecture (Llama, Qwen3,
-  Qwen3-MoE), the ``input_layernorm + q/k/v_proj (+ q_norm/k_norm) + RoPE`` front for
-  ``qkv_proj`` and the ``post_attention_layernorm + mlp + residual`` back for ``swiglu_mlp`` (a
-  sparse MoE block: its routing and experts for ``router_topk + fused_moe``); everything else is
-  left alone and listed in the returned :class:`PatchReport` (DeepSeek-V3: not yet, see
-  ``NOT_YET``).
+  Qwen3-MoE, DeepSeek-V3 without its MLA attention), the ``input_layernorm + q/k/v_proj
+  (+ q_norm/k_norm) + RoPE`` front for ``qkv_proj`` and the ``post_attention_layernorm + mlp +
+  residual`` back for ``swiglu_mlp`` (a sparse MoE block: its routing and experts, with a shared
+  expert, for ``router_topk + fused_moe``); everything else is left alone and listed in the
+  returned :class:`PatchReport`.
 """
 from __future__ import annotations
 
@@ -174,16 +174,21 @@ ARCHS = {
     # sparse layers: the norm and the router GEMM stay stock; router_topk (softmax, top-k,
     # renormalize) + fused_moe replace the routing and the experts
     "qwen3_moe": {"attn": ("Qwen3MoeAttention",), "mlp": ("Qwen3MoeMLP",),
-                  "moe": ("Qwen3MoeSparseMoeBlock",), "norm": ("Qwen3MoeRMSNorm",)},
+                  "moe": ("Qwen3MoeSparseMoeBlock",), "norm": ("Qwen3MoeRMSNorm",),
+                  "router": "softmax"},
+    # MLA attention stays stock (no fused MLA projection / mla_decode kernel yet; its attention
+    # core still goes through the attention interface); dense layers -> swiglu_mlp, MoE layers ->
+    # router_topk (sigmoid, group-limited, correction bias, routed scaling) + fused_moe with the
+    # shared expert
+    "deepseek_v3": {"attn": (), "mlp": ("DeepseekV3MLP",), "moe": ("DeepseekV3MoE",),
+                    "norm": ("DeepseekV3RMSNorm",), "router": "sigmoid",
+                    "attn_reason": "MLA attention: no fused MLA projection kernel (mla_decode "
+                                   "not landed); stock modules, attention core through the "
+                                   "attention interface"},
 }
-
 
 # architectures known and refused, with the reason (everything else: "not supported")
-NOT_YET = {
-    "deepseek_v3": "MLA attention has no nki kernel yet (mla_decode), and its MoE routing "
-                   "(sigmoid, group-limited, shared experts) is not wired to router_topk / "
-                   "fused_moe yet",
-}
+NOT_YET: dict = {}
 
 
 @dataclass
@@ -214,7 +219,7 @@ def _attn_problem(layer, arch):
     attn = getattr(layer, "self_attn", None)
     norm = getattr(layer, "input_layernorm", None)
     if attn is None or _cls(attn) not in arch["attn"]:
-        return f"attention class {_cls(attn)} has no fused equivalent"
+        return arch.get("attn_reason", f"attention class {_cls(attn)} has no fused equivalent")
     if norm is None or _cls(norm) not in arch["norm"]:
         return f"input norm {_cls(norm)} has no fused equivalent"
     d = int(attn.head_dim)
@@ -241,6 +246,12 @@ def _moe_problem(layer):
         return f"expert weights are {ex.gate_up_proj.dtype}: fused_moe takes bfloat16"
     if getattr(ex, "has_bias", False) or getattr(gate, "bias", None) is not None:
         return "expert or router biases: not supported"
+    sh = getattr(moe, "shared_experts", None)
+    if sh is not None:
+        lins = [getattr(sh, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(lin is None or lin.bias is not None or lin.weight.dtype != torch.bfloat16
+               for lin in lins):
+            return "shared expert: expected bias-free bf16 gate/up/down projections"
     return None
 
 
@@ -302,6 +313,17 @@ def _fuse_moe(layer):
     layer.register_buffer("nki_moe_down", w_d, persistent=False)
     ex.gate_up_proj = nn.Parameter(w_gu.transpose(1, 2), requires_grad=ex.gate_up_proj.requires_grad)
     ex.down_proj = nn.Parameter(w_d.transpose(1, 2), requires_grad=ex.down_proj.requires_grad)
+    sh = getattr(layer.mlp, "shared_experts", None)
+    s_gu = s_d = None
+    if sh is not None:                                               # [H, 2Is] = gate | up
+        s_gu = torch.cat([sh.gate_proj.weight, sh.up_proj.weight], 0).detach().t().contiguous()
+        s_d = sh.down_proj.weight.detach().t().contiguous()          # [Is, H]
+        Is = sh.gate_proj.out_features
+        _share(sh.gate_proj, s_gu[:, :Is].t())
+        _share(sh.up_proj, s_gu[:, Is:].t())
+        _share(sh.down_proj, s_d.t())
+    layer.register_buffer("nki_moe_shared_gate_up", s_gu, persistent=False)
+    layer.register_buffer("nki_moe_shared_down", s_d, persistent=False)
 
 
 def _moe_back(layer, h):
@@ -309,12 +331,21 @@ def _moe_back(layer, h):
     B, S, H = h.shape
     gate = layer.mlp.gate
     xn = layer.post_attention_layernorm(h).reshape(B * S, H)
-    logits = nn.functional.linear(xn, gate.weight)                   # [T, E] as transformers
     ops = _torch_ops()
-    w, ids = ops.router_topk(logits, int(gate.top_k), "softmax", bool(gate.norm_topk_prob),
-                             None, None, None, 1.0)
-    y = ops.fused_moe(xn, layer.nki_moe_gate_up, layer.nki_moe_down, w, ids, None, None, None,
-                      None, None, None, 0, None, None)
+    if hasattr(gate, "e_score_correction_bias"):                     # DeepSeek-V3: fp32 router
+        logits = nn.functional.linear(xn.float(), gate.weight.float())
+        ng = int(gate.num_group)
+        w, ids = ops.router_topk(logits, int(gate.top_k), "sigmoid", bool(gate.norm_topk_prob),
+                                 ng if ng > 1 else None, int(gate.topk_group) if ng > 1 else None,
+                                 gate.e_score_correction_bias.float(),
+                                 float(gate.routed_scaling_factor))
+    else:                                                            # softmax router (Qwen3-MoE)
+        logits = nn.functional.linear(xn, gate.weight)               # [T, E] as transformers
+        w, ids = ops.router_topk(logits, int(gate.top_k), "softmax", bool(gate.norm_topk_prob),
+                                 None, None, None, 1.0)
+    y = ops.fused_moe(xn, layer.nki_moe_gate_up, layer.nki_moe_down, w, ids,
+                      layer.nki_moe_shared_gate_up, layer.nki_moe_shared_down, None, None, None,
+                      None, 0, None, None)
     return h + y.view(B, S, H)
 
 
@@ -396,7 +427,8 @@ def apply_nki_kernels(model, *, attention: bool = True, blocks: bool = True) -> 
       q/k/v and gate/up/down weights become views of the fused, kernel-layout copies, so memory
       does not grow; patch after loading weights (reloading afterwards breaks the sharing).
     Returns a :class:`PatchReport` listing what was swapped and what stayed stock and why.
-    Supported: ``ARCHS`` (Llama, Qwen3, Qwen3-MoE). Everything else is left alone and listed.
+    Supported: ``ARCHS`` (Llama, Qwen3, Qwen3-MoE; DeepSeek-V3's MLP and MoE blocks, its MLA
+    attention stays stock). Everything else is left alone and listed.
     """
     cfg = model.config
     mtype = getattr(cfg, "model_type", type(model).__name__)
@@ -429,7 +461,9 @@ def apply_nki_kernels(model, *, attention: bool = True, blocks: bool = True) -> 
         if pm is None and _cls(mod.mlp) in arch.get("moe", ()):
             back = "moe"
             _fuse_moe(mod)
-            report.patched[f"{name}.mlp"] = "router_topk + fused_moe (experts and routing)"
+            shared = " + shared expert" if getattr(mod.mlp, "shared_experts", None) is not None \
+                else ""
+            report.patched[f"{name}.mlp"] = f"router_topk + fused_moe (experts and routing{shared})"
             report.unsupported[f"{name}.post_attention_layernorm+mlp.gate"] = \
                 "stock (the norm and the router GEMM run in torch)"
         elif pm is None:
