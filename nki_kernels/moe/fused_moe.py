@@ -127,20 +127,26 @@ def _combine(lids, w, n_local):
     return c
 
 
-def plan_decode_routing(lids, w, n_local):
-    """Decode routing plan: (experts [1, S] int32, count [1, 1] int32, combine [S, T] fp32).
+def plan_decode_routing(lids, w, n_local, scales=None):
+    """Decode routing plan: (experts [1, S] int32, count [1, 1] int32, combine [S, T(+2I+H)]).
 
     ``experts[0, :count]`` are the distinct chosen local experts in ascending order; row s of
     ``combine`` holds the weight of each token for expert ``experts[s]`` (0 if it did not choose
-    it). S = min(E, T*k) slots, so the shapes depend on (T, k, E) only."""
+    it), followed, for FP8 (``scales`` = ([E, 2I], [E, H])), by that expert's scale rows, so an
+    iteration loads its per-expert vectors in one descriptor (each small DMA in front of the
+    weight stream costs a ~1 us bubble on its queue). S = min(E, T*k) slots, so the shapes
+    depend on (T, k, E) only."""
     T, k = lids.shape
     S = max(1, min(n_local, T * k))
     c = _combine(lids, w, n_local)
     chosen = np.unique(lids[lids >= 0])
     experts = np.zeros((1, S), np.int32)
     experts[0, :chosen.size] = chosen
-    comb = np.zeros((S, T), np.float32)
-    comb[:chosen.size] = c[chosen]
+    n_extra = 0 if scales is None else scales[0].shape[1] + scales[1].shape[1]
+    comb = np.zeros((S, T + n_extra), np.float32)
+    comb[:chosen.size, :T] = c[chosen]
+    if scales is not None:
+        comb[:chosen.size, T:] = np.concatenate([scales[0][chosen], scales[1][chosen]], axis=1)
     return experts, np.array([[chosen.size]], np.int32), comb
 
 
@@ -315,11 +321,19 @@ def _load_scales(q, s_gu, s_d, e, I, H, ident_f):
     Each row arrives in one DMA descriptor (a strided load straight into columns would cost one
     descriptor per partition, ~5% of an FP8 expert's weight stream) and is turned into columns by
     K=1 PE transposes of its 128-element chunks."""
-    KI = I // P
-    cols = []
+    rows = []
     for src, n in ((s_gu, 2 * I), (s_d, H)):
         row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)             # [1, n]
         nisa.dma_copy(dst=row, src=src[nl.ds(e, 1), :] if e is not None else src.reshape((1, n)))
+        rows.append(row)
+    _scale_cols(q, rows[0], rows[1], I, H, ident_f)
+
+
+def _scale_cols(q, row_gu, row_d, I, H, ident_f):
+    """Scale rows ``[1, 2I]``, ``[1, H]`` (SBUF) -> per-partition columns in ``q.ws``."""
+    KI = I // P
+    cols = []
+    for row, n in ((row_gu, 2 * I), (row_d, H)):
         ps = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.psum)          # [128, n/128]
         for j in range(n // P):
             nisa.nc_matmul(dst=ps[:, j:j + 1], stationary=row[0:1, j * P:(j + 1) * P],
@@ -331,11 +345,14 @@ def _load_scales(q, s_gu, s_d, e, I, H, ident_f):
 
 
 def _row_broadcast(src_row, n, ones):
-    """HBM row view ``[1, n]`` (fp32) -> SBUF ``[128, n]``, the same row on every partition: one
-    DMA descriptor, then ``ones[1, 128].T @ row`` on TensorE (a broadcast DMA would move 128
-    short runs, one descriptor each)."""
-    row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)                 # [1, n]
-    nisa.dma_copy(dst=row, src=src_row)
+    """HBM row view ``[1, n]`` (fp32; or an SBUF row) -> SBUF ``[128, n]``, the same row on every
+    partition: one DMA descriptor, then ``ones[1, 128].T @ row`` on TensorE (a broadcast DMA
+    would move 128 short runs, one descriptor each)."""
+    if src_row.buffer == nl.sbuf:
+        row = src_row
+    else:
+        row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)             # [1, n]
+        nisa.dma_copy(dst=row, src=src_row)
     ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum)                  # [128, n]
     nisa.nc_matmul(dst=ps, stationary=ones, moving=row)
     out = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)                 # [128, n]
@@ -354,7 +371,8 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
       x: [T, H] bf16 HBM.  w_gu: [E, H, 2I], w_d: [E, I, H] (tiled: [E, 2I/128, 128, KTe, 128],
         [E, H/128, 128, KTe, 128]) bf16 or FP8, HBM.
       experts: [1, S] int32 (the first n_active are the distinct chosen local experts).
-      n_active: [1, 1] int32.  comb: [S, T] fp32 routing weight of each token per slot.
+      n_active: [1, 1] int32.  comb: [S, T] fp32 routing weight of each token per slot (FP8:
+        [S, T + 2I + H], the slot's expert's gate|up and down scale rows appended).
       s_gu: [E, 2I], s_d: [E, H] fp32 FP8 per-channel scales, else None.
       sh_gu: [H, 2Is], sh_d: [Is, H] shared expert (ss_gu [2Is], ss_d [H] FP8 scales) or None.
       combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused: from MoEPlan.
@@ -419,9 +437,11 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
         e = nisa.register_alloc()
         nisa.register_load(dst=e, src=ids_sb[0:1, nl.ds(s, 1)])
         wgu, wd = _expert_views(w_gu, w_d, e)
+        meta = nl.ndarray((1, comb.shape[1]), dtype=nl.float32, buffer=nl.sbuf)  # [1, T(+2I+H)]
+        nisa.dma_copy(dst=meta, src=comb[nl.ds(s, 1), :])
         if fp8:
-            _load_scales(q, s_gu, s_d, e, I, H, ident_f)
-        wrow = _row_broadcast(comb[nl.ds(s, 1), :], T, ones)                   # [128, T]
+            _scale_cols(q, meta[:, T:T + 2 * I], meta[:, T + 2 * I:T + 2 * I + H], I, H, ident_f)
+        wrow = _row_broadcast(meta[:, 0:T], T, ones)                            # [128, T]
         _expert_step(xT, A, T, H, I, wgu, wd, wrow, q, plan, tiled, sink)
 
     nl.fori_loop(0, n_reg, body)
@@ -676,7 +696,7 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     wb = 1 if fp8 else 2
     if regime == "decode":
         plan = plan_tiles("decode", T, H, I, wb, tiled)
-        experts, n, comb = plan_decode_routing(lids, w32, E)
+        experts, n, comb = plan_decode_routing(lids, w32, E, (s_gu, s_d) if fp8 else None)
         return launch(fused_moe_decode_kernel, x, w_gate_up, w_down, experts, n, comb, s_gu,
                       s_d, sh_gu, sh_d, ss_gu, ss_d, plan.combined, plan.nf_gu, plan.nf_d,
                       plan.kb_gu, plan.kb_d, tiled, plan.fused)
