@@ -140,8 +140,8 @@ def plot(rows, path, target: str, title: str | None = None) -> bool:
     """Write a log-log roofline PNG (arithmetic intensity vs TFLOP/s) of ``rows`` (dicts from the
     harness) for ``target``. Roofs and points are per NeuronCore: an LNC=2 row is drawn at its
     TFLOP/s / 2. Only the TensorE roofs of the dtypes the rows use are drawn, and the memory roof
-    as its own line. Points are numbered (one colour per op) and listed beside the plot with op,
-    shape, dtype and % of roof, so labels never pile up. Returns False, with nothing written,
+    as its own line. Points are numbered (one colour per op) and listed beside the plot with
+    % of roof, op, shape and dtype, so labels never pile up. Returns False, with nothing written,
     when matplotlib is missing."""
     try:
         import matplotlib
@@ -185,7 +185,7 @@ def plot(rows, path, target: str, title: str | None = None) -> bool:
                     color="0.15")
         lnc = f" LNC={r['lnc']}" if r.get("lnc", 1) != 1 else ""
         pct = f"{r['pct_roof']:.0f}%" if r.get("pct_roof") is not None else "-"
-        entries.append((i, r["op"], f"{i:>2}  {r['op']}: {r['shape']}, {r['dtype']}{lnc}  {pct}"))
+        entries.append((i, r["op"], f"{i:>2} {pct:>4}  {r['op']}: {r['shape']}, {r['dtype']}{lnc}"))
     for op in ops:
         ax.scatter([], [], color=colour[op], marker="o", s=22, label=op)
     if any(r.get("source") == "measured" for r in pts):
@@ -204,7 +204,7 @@ def plot(rows, path, target: str, title: str | None = None) -> bool:
         chunk = entries[c * per_col:(c + 1) * per_col]
         for j, (_, op, text) in enumerate(chunk):
             fig.text(x0 + c * colw, 0.9 - j * (0.8 / max(1, min(n, per_col) - 1) if n > 1 else 0),
-                     text[:58], fontsize=6.5, color=colour[op], va="center", family="monospace")
+                     text[:64], fontsize=6.5, color=colour[op], va="center", family="monospace")
     fig.savefig(path)
     plt.close(fig)
     return True

@@ -1,7 +1,7 @@
 """The ``nki-kernels`` command line.
 
     nki-kernels bench                       # default tier (real model shapes, < 1 min), Trn3
-    nki-kernels bench --tier fast           # toy shapes: a smoke run of a few seconds
+    nki-kernels bench --tier fast           # toy shapes: a smoke run
     nki-kernels bench --target trn2 --op matmul --tier models --json out.jsonl
     nki-kernels bench --tier models --publish   # the published tables (bench/published)
     nki-kernels bench --readme              # regenerate the README table from bench/published
@@ -22,9 +22,10 @@ from pathlib import Path
 TARGETS = ("trn3", "trn2")
 TIERS = ("default", "fast", "odd", "models")
 TIER_HELP = ("shape tier from reference/shapes.py: default = a few real model shapes per op "
-             "(under a minute); fast = toy shapes (seconds); odd = edge sizes; models = every "
-             "model shape (about 30-40 minutes per target on one core of a laptop: the big "
-             "prefill GEMMs dominate). --list without --tier: all tiers")
+             "(under a minute); fast = toy shapes (a smoke run); odd = edge sizes; models = every "
+             "model shape (tens of minutes per target on one core: the T = 8192 prefill "
+             "cases take minutes each; it grows with the ops registered). --list without "
+             "--tier: all tiers")
 
 
 def _parser() -> argparse.ArgumentParser:

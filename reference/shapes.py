@@ -571,8 +571,8 @@ DEFAULT = Tier(
     mx_matmul=(linear_of(DEEPSEEK_V3, 16, "expert_up"), linear_of(DEEPSEEK_V3, 256, "expert_up")),
     attention=(attention_of(LLAMA3_8B, 2048), attention_of(GEMMA3_12B, 2048)),
     decode=(decode_of(LLAMA3_8B, 2048, batch=8),),
-    qkv=(qkv_of(LLAMA3_70B_TP8, 8), qkv_of(LLAMA3_70B_TP8, 512)),
-    mlp=(mlp_of(LLAMA3_70B_TP8, 8), mlp_of(LLAMA3_70B_TP8, 128)),
+    qkv=(qkv_of(LLAMA3_70B_TP8, 8), qkv_of(LLAMA3_70B_TP8, 128)),      # decode / prefill
+    mlp=(mlp_of(LLAMA3_70B_TP8, 128),),            # the bench runs its FP8 (W8A8) form only
     moe=(moe_of(QWEN3_30B_A3B, 64),),
     rmsnorm=(rmsnorm_of(DEEPSEEK_V3, 128), rmsnorm_of(LLAMA3_8B, 2048)),
 )
