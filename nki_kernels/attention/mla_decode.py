@@ -47,7 +47,9 @@ MAX_S_Q = 4
 MM_N = 512            # score columns per matmul (one fp32 PSUM bank)
 TR_GROUP = 8          # 128-key transposes per PSUM buffer
 PREFETCH = 2          # latent tiles loaded ahead of the one being computed
-LAGS = (0, 1, 2, 3)   # pipeline lags of the stages K^T, QK^T + softmax, P^T, PV (in jobs)
+LAGS = (0, 2, 3, 4)   # pipeline lags of the stages K^T, QK^T + softmax, P^T, PV (in jobs)
+WEAVE = 3             # K^T transposes issued after each QK^T / PV matmul
+EVICT_ACT = 0.75      # share of the K^T / P^T PSUM evictions on ScalarE (the rest VectorE)
 C_LO, C_HI = 0, 1     # row table columns: first / last visible key of each query row
 NCOL = 2
 
@@ -178,6 +180,20 @@ def _empty_rows(out, lse, cfg):
                 nisa.dma_copy(dst=lse[b].reshape((n, 1))[r0:r0 + k, :], src=zl[0:k, :])
 
 
+def _weave(a, b, ratio):
+    """Run generator ``b`` to its end with ``ratio`` steps of ``a`` after each of its steps
+    (``a`` is left where it stops; either may be None)."""
+    if b is None:
+        if a is not None and ratio == 1:
+            for _ in a:
+                pass
+        return
+    for _ in b:
+        for _ in range(ratio):
+            if a is None or next(a, StopIteration) is StopIteration:
+                break
+
+
 class _Group:
     """One row group of one work item: Q^T, its row bounds, its softmax state."""
 
@@ -250,6 +266,7 @@ class _Run:
         jobs = [(j, g) for j in range(len(tiles)) for g in range(cfg.n_groups)]
         state = {}
         for step in range(len(jobs) + LAGS[-1]):
+            gen_a = gen_b = gen_d = None
             ja = step - LAGS[0]
             if 0 <= ja < len(jobs):
                 j, g = jobs[ja]
@@ -260,26 +277,33 @@ class _Run:
                 tile = loaded[j]
                 packed = cfg.nslot > 1 and not last        # an item's last tile: one row layout
                 if g == 0:
-                    self.stage_kT(tile, n, packed)
+                    gen_a = self.stage_kT(tile, n, packed)
                 state[ja] = _Job(mine[ii], groups[ii][g], tile, k0, n, lay.T, packed)
             jb = step - LAGS[1]
             if 0 <= jb < len(jobs):
                 job = state[jb]
-                (self.stage_softmax_packed if job.packed else self.stage_softmax)(job)
+                gen_b = (self.stage_softmax_packed if job.packed else self.stage_softmax)(job)
+            jd = step - LAGS[3]
+            done = None
+            if 0 <= jd < len(jobs):
+                done = state.pop(jd)
+                gen_d = (self.stage_pv_packed if done.packed else self.stage_pv)(done)
+            # K^T transposes of tile j woven between the matmuls of QK^T (j-1) and PV (j-3): on
+            # Trn3 a transpose runs beside a matmul (background transposes)
+            _weave(gen_a, gen_b, WEAVE)
             jc = step - LAGS[2]
             if 0 <= jc < len(jobs):
                 job = state[jc]
                 (self.stage_pT_packed if job.packed else self.stage_pT)(job)
-            jd = step - LAGS[3]
-            if 0 <= jd < len(jobs):
-                job = state.pop(jd)
-                (self.stage_pv_packed if job.packed else self.stage_pv)(job)
+            _weave(gen_a, gen_d, WEAVE)
+            _weave(gen_a, None, 1)
+            if done is not None:
                 j, g = jobs[jd]
                 ii, k0, n, last = tiles[j]
                 if g == cfg.n_groups - 1:
                     loaded.pop(j)
                     if last:
-                        self.finish(job.it, groups.pop(ii))
+                        self.finish(done.it, groups.pop(ii))
 
     # -- per item -------------------------------------------------------------------------------
     def start(self, it):
@@ -408,6 +432,7 @@ class _Run:
                     else:
                         nisa.nc_transpose(dst=tp[0:dsz, t - t0, 0:npp], data=src,
                                           engine=nisa.engine.tensor)
+                    yield
                 if packed:
                     dstv = kT[0:dsz, dt, t0 * P:t1 * P].reshape_dim(1, (t1 - t0, P))
                     self._evict(dstv, tp[0:dsz, :, :])
@@ -430,6 +455,7 @@ class _Run:
                 dsz = min(P, D_QK - dt * P)
                 nisa.nc_matmul(dst=S[0:rows, c0:c1], stationary=grp.qT[0:dsz, dt, 0:rows],
                                moving=kT[0:dsz, dt, c0:c1], accumulate=dt > 0)
+                yield
         sm = grp.sm
         L = cfg.seq_lens[job.it.b]
         masked = k0 + ncol - 1 > L - cfg.s_q
@@ -483,6 +509,7 @@ class _Run:
             nisa.nc_matmul(dst=O[0:rows, :], stationary=job.pT[0:kp, t, 0:rows],
                            moving=job.tile.c[0:kp, t, 0, 0:D_LATENT], accumulate=not first)
             first = False
+            yield
         job.pT = None
         job.grp.sm.accumulate_o(O[0:rows, :], job.alpha, mode="stt", copy_engine="vector")
 
@@ -503,6 +530,7 @@ class _Run:
                 nisa.nc_matmul(dst=S[r0:r0 + W, :], stationary=grp.qT[0:dsz, dt, r0:r0 + W],
                                moving=kT[0:dsz, dt, s * ncol:(s + 1) * ncol], accumulate=dt > 0,
                                tile_position=(0, r0), tile_size=(P, W))
+            yield
         sm = grp.psm
         X = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar_reduce(dst=X, data=S, op0=nl.multiply, operand0=cfg.qk_mul,
@@ -539,12 +567,15 @@ class _Run:
                 nisa.nc_matmul(dst=O[r0:r0 + W, :], stationary=job.pT[:, tt, r0:r0 + W],
                                moving=job.tile.c[:, s * Ts + tt, 0, 0:D_LATENT],
                                accumulate=tt > 0, tile_position=(0, r0), tile_size=(P, W))
+            yield
         job.pT = None
         job.grp.psm.accumulate_o(O, job.alpha, mode="stt", copy_engine="vector")
 
     def _evict(self, dst, src):
-        """PSUM -> SBUF copies alternating between ScalarE and VectorE."""
-        act = self.n_evict % 2 == 0
+        """PSUM -> SBUF copies spread over ScalarE (share EVICT_ACT) and VectorE (which also
+        takes the score evictions and the accumulator updates)."""
+        i = self.n_evict
+        act = int((i + 1) * EVICT_ACT + 1e-9) > int(i * EVICT_ACT + 1e-9)
         self.n_evict += 1
         nisa.tensor_copy(dst=dst, src=src,
                          engine=nisa.engine.scalar if act else nisa.engine.vector)
