@@ -49,7 +49,8 @@ TR_GROUP = 8          # 128-key transposes per PSUM buffer
 PREFETCH = 2          # latent tiles loaded ahead of the one being computed
 LAGS = (0, 2, 3, 4)   # pipeline lags of the stages K^T, QK^T + softmax, P^T, PV (in jobs)
 WEAVE = 3             # K^T transposes issued after each QK^T / PV matmul
-EVICT_ACT = 0.75      # share of the K^T / P^T PSUM evictions on ScalarE (the rest VectorE)
+EVICT_ACT = (0.75, 0.6)   # share of the K^T / P^T PSUM evictions on ScalarE (the rest on
+                          # VectorE), row layout / packed layout
 C_LO, C_HI = 0, 1     # row table columns: first / last visible key of each query row
 NCOL = 2
 
@@ -575,7 +576,8 @@ class _Run:
         """PSUM -> SBUF copies spread over ScalarE (share EVICT_ACT) and VectorE (which also
         takes the score evictions and the accumulator updates)."""
         i = self.n_evict
-        act = int((i + 1) * EVICT_ACT + 1e-9) > int(i * EVICT_ACT + 1e-9)
+        f = EVICT_ACT[self.cfg.nslot > 1]
+        act = int((i + 1) * f + 1e-9) > int(i * f + 1e-9)
         self.n_evict += 1
         nisa.tensor_copy(dst=dst, src=src,
                          engine=nisa.engine.scalar if act else nisa.engine.vector)
