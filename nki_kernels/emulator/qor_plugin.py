@@ -5,7 +5,7 @@ Load it beside the emulator's harness plugin::
     nki-kernels simulate-suite /path/to/nki-library --nki-version 0.3 --target trn2 -- \\
         test/integration/nkilib/core/rmsnorm/test_rmsnorm_quant.py \\
         -p nki_kernels.emulator.qor_plugin --qor-output results.jsonl [--qor-timeout 120] \\
-        [--qor-max-us 300] [--qor-only]
+        [--qor-min-us 100] [--qor-max-us 300] [--qor-only]
 
 For every test whose parameters carry a published device figure (``tpbSgCyclesSum`` or
 ``cyclesQoR``), or, for NKI Library's range-test tables, whose configuration matches exactly one
@@ -15,7 +15,7 @@ row of ``bench/calibration/nkilib_qor.json`` (``--qor-table``), the test body ru
 line is appended to ``--qor-output``: node id, family, published value (ps) and ns, modeled
 makespan (ns), ratio, LNC, binding engine, the test's outcome. Nothing of the kernel or the
 harness is changed. ``--qor-only`` deselects tests without a published value, ``--qor-max-us``
-those whose published time is larger, and the rest run smallest published value first.
+/ ``--qor-min-us`` those whose published time is outside the range, and the rest run smallest published value first.
 ``--qor-timeout`` stops a test after that many seconds (SIGALRM; recorded as ``timeout``).
 All modeled figures are the analytical cost model's, never a measurement.
 """
@@ -49,6 +49,8 @@ def pytest_addoption(parser):
     g.addoption("--qor-only", action="store_true", help="deselect tests without a published value")
     g.addoption("--qor-max-us", type=float, default=0.0,
                 help="deselect cases whose published time exceeds this (us)")
+    g.addoption("--qor-min-us", type=float, default=0.0,
+                help="deselect cases whose published time is below this (us)")
 
 
 # --------------------------------------------------------------------------- published values
@@ -131,13 +133,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    if not (config.getoption("--qor-only") or config.getoption("--qor-max-us")):
+    if not (config.getoption("--qor-only") or config.getoption("--qor-max-us")
+            or config.getoption("--qor-min-us")):
         return
     keep, drop = [], []
     cap = config.getoption("--qor-max-us") * 1e6   # us -> ps
+    floor = config.getoption("--qor-min-us") * 1e6
     for it in items:
         pub = published_of(it, config._qor_rows)
-        if pub is None or (cap and pub[0] > cap):
+        if pub is None or (cap and pub[0] > cap) or pub[0] < floor:
             drop.append(it)
         else:
             keep.append((pub[0], it))
