@@ -1,6 +1,6 @@
 """The ``nki-kernels`` command line.
 
-    nki-kernels bench                       # default tier (real model shapes, < 1 min), Trn3
+    nki-kernels bench                       # default tier (real model shapes), Trn3
     nki-kernels bench --tier fast           # toy shapes: a smoke run
     nki-kernels bench --target trn2 --op matmul --tier models --json out.jsonl
     nki-kernels bench --tier models --publish   # the published tables (bench/published)
@@ -21,11 +21,11 @@ from pathlib import Path
 
 TARGETS = ("trn3", "trn2")
 TIERS = ("default", "fast", "odd", "models")
-TIER_HELP = ("shape tier from reference/shapes.py: default = a few real model shapes per op "
-             "(under a minute); fast = toy shapes (a smoke run); odd = edge sizes; models = every "
-             "model shape (tens of minutes per target on one core: the T = 8192 prefill "
-             "cases take minutes each; it grows with the ops registered). --list without "
-             "--tier: all tiers")
+TIER_HELP = ("shape tier from reference/shapes.py: default = one or two real model shapes per "
+             "op (a few minutes on one core); fast = toy shapes (a smoke run); odd = edge "
+             "sizes; models = every model shape (tens of minutes per target on one core: the "
+             "T = 8192 prefill cases take minutes each; it grows with the ops registered). "
+             "--list without --tier: all tiers")
 
 
 def _parser() -> argparse.ArgumentParser:
