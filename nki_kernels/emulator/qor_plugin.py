@@ -15,7 +15,8 @@ row of ``bench/calibration/nkilib_qor.json`` (``--qor-table``), the test body ru
 line is appended to ``--qor-output``: node id, family, published value (ps) and ns, modeled
 makespan (ns), ratio, LNC, binding engine, the test's outcome. Nothing of the kernel or the
 harness is changed. ``--qor-only`` deselects tests without a published value, ``--qor-max-us``
-/ ``--qor-min-us`` those whose published time is outside the range, and the rest run smallest published value first.
+/ ``--qor-min-us`` those whose published time is outside the range, and the rest run smallest
+published value first.
 ``--qor-timeout`` stops a test after that many seconds (SIGALRM; recorded as ``timeout``).
 All modeled figures are the analytical cost model's, never a measurement.
 """
