@@ -185,3 +185,12 @@ def test_range_rows_match_on_their_numeric_fields():
     cfg = {"vnc_degree": 2, "batch": 4, "hidden": 8192, "fused_add": 0, "norm_type": 1}
     assert [r["value"] for r in P.match_range_row(cfg, rows)] == [2.0]
     assert P.match_range_row(dict(cfg, batch=3), rows) == []
+    # enum members written by name resolve through the test module's names
+    import enum
+
+    class NormType(enum.Enum):
+        RMS = 1
+        LAYER = 2
+    rows[1]["params"]["norm_type"] = "NormType.LAYER"
+    assert P.match_range_row(cfg, rows, {"NormType": NormType}) == []
+    assert P.match_range_row(dict(cfg, norm_type=2), rows, {"NormType": NormType}) == [rows[1]]

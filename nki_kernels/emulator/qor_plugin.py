@@ -86,15 +86,29 @@ def _range_config(item):
     return flat
 
 
-def match_range_row(config: dict, rows: list[dict]):
-    """The table rows whose numeric / boolean fields all equal the config's (same names)."""
+def _resolve(v, namespace):
+    """A table field written as a name (``NormType.RMS_NORM``) as the value the test module gives
+    it; numbers and booleans as they are; anything else unresolved (None)."""
+    if isinstance(v, (int, float)):
+        return _norm(v)
+    if isinstance(v, str) and namespace is not None and v.count(".") == 1:
+        cls, member = v.split(".")
+        obj = getattr(namespace.get(cls), member, None) if cls in namespace else None
+        if obj is not None:
+            return _norm(obj)
+    return None
+
+
+def match_range_row(config: dict, rows: list[dict], namespace=None):
+    """The table rows whose fields all equal the config's (same names): numbers, booleans and,
+    given the test module's ``namespace``, enum members written by name."""
     out = []
     for r in rows:
-        common = [k for k, v in r["params"].items() if k in config
-                  and isinstance(v, (int, float)) and not isinstance(config[k], str)]
+        vals = {k: _resolve(v, namespace) for k, v in r["params"].items() if k in config}
+        common = [k for k, v in vals.items() if v is not None]
         if len(common) < 3:
             continue
-        if all(_norm(r["params"][k]) == config[k] for k in common):
+        if all(vals[k] == config[k] for k in common):
             out.append(r)
     return out
 
@@ -118,7 +132,8 @@ def published_of(item, table_rows):
         return None
     cands = [r for r in table_rows if Path(r["file"]).name == item.path.name
              and r["test"] == item.originalname]
-    hits = match_range_row(cfg, cands)
+    mod = getattr(item, "module", None)
+    hits = match_range_row(cfg, cands, vars(mod) if mod is not None else None)
     vals = {r["value"] for r in hits}
     if len(vals) == 1:
         return float(hits[0]["value"]), hits[0], f"range row ({len(hits)} identical)"
