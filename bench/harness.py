@@ -473,6 +473,9 @@ def readme_table(published=None, tier: str = "models", targets=("trn2", "trn3"))
     if not rows:
         return "_no published bench rows: run `make publish`_\n"
     shas = sorted({r["git_sha"] for r in rows})
+    if len(shas) > 3:                               # runs spread over commits: first and last
+        by_date = [r["git_sha"] for r in sorted(rows, key=lambda r: r["date"])]
+        shas = [f"{by_date[0]} to {by_date[-1]} ({len(shas)} commits)"]
     dates = sorted({r["date"][:10] for r in rows})
     head = " | ".join(f"{t}: time (us) | {t}: achieved | {t}: % of roof" for t in targets)
     checked = sum(r.get("check") == "passed" for r in rows)
