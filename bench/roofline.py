@@ -203,7 +203,8 @@ def plot(rows, path, target: str, title: str | None = None) -> bool:
     for c in range(ncols):
         chunk = entries[c * per_col:(c + 1) * per_col]
         for j, (_, op, text) in enumerate(chunk):
-            fig.text(x0 + c * colw, 0.9 - j * (0.8 / max(1, min(n, per_col) - 1) if n > 1 else 0),
+            step = min(0.8 / max(1, min(n, per_col) - 1), 0.04)
+            fig.text(x0 + c * colw, 0.9 - j * step,
                      text[:64], fontsize=6.5, color=colour[op], va="center", family="monospace")
     fig.savefig(path)
     plt.close(fig)
