@@ -1,7 +1,7 @@
 """Bench definition of decode attention (flash-decoding over contiguous and paged KV caches).
 
 Shapes: ``reference.shapes``: tiers ``fast`` / ``odd`` use ``.decode`` (small, paged with the
-shape's page size); ``default`` uses ``DECODE_DEFAULT`` (Llama-3-8B B=8, 2K, contiguous and
+shape's page size); ``default`` uses ``DECODE_DEFAULT`` (one row: Llama-3-8B B=8, 2K,
 paged/64); ``models`` uses ``DECODE_MODELS`` (the issue's rows: Llama-3-8B at B = 1 / 8 / 64 and
 2K-128K, Llama-3-70B TP8, a skewed 1 x 128K + 63 x 1K batch, paged (block 64) and contiguous,
 bf16 and FP8 caches, s_q = 4, LNC=2).
