@@ -572,7 +572,7 @@ DEFAULT = Tier(
     qkv=(qkv_of(LLAMA3_70B_TP8, 8),),                   # decode regime (prefill: FAST, MODELS)
     mlp=(mlp_of(LLAMA3_70B_TP8, 128),),            # the bench runs its FP8 (W8A8) form only
     moe=(moe_of(QWEN3_30B_A3B, 64),),
-    rmsnorm=(rmsnorm_of(DEEPSEEK_V3, 128),),
+    rmsnorm=(rmsnorm_of(DEEPSEEK_V3, 128), rmsnorm_of(LLAMA3_8B, 2048)),
 )
 
 TIERS = {t.name: t for t in (FAST, ODD, MODELS, DEFAULT)}
