@@ -95,11 +95,15 @@ def jit(fn=None, **kwargs):
     """``@nki.jit`` / ``@nki.jit()`` / ``nki.jit(f)``. ``mode=`` and ``platform_target=`` are
     rejected (removed in NKI 0.3.0)."""
     from . import versions
+    trace_mode = kwargs.get("mode") == "trace"
     for bad in ("mode", "platform_target"):
         if bad in kwargs:
             versions.check(f"nki.jit({bad}=...)", "nki.jit")
             kwargs = {k: v for k, v in kwargs.items() if k != bad}
-    unknown = set(kwargs) - {"compile_config", "specialization_config", "debug_kernel",
+    if trace_mode:
+        # NKI 0.3's mode="trace": the function is traced into whichever kernel calls it
+        kwargs["_trace_mode"] = True
+    unknown = set(kwargs) - {"_trace_mode", "compile_config", "specialization_config", "debug_kernel",
                              "show_compiler_tb", "additional_compile_opt",
                              "experimental_flags"}
     if unknown:
@@ -131,6 +135,8 @@ def _lnc_from_env():
 
 
 def run_kernel(kernel: Kernel, args, kwargs):
+    if rt.maybe_core() is not None and kernel.options.get("_trace_mode"):
+        return kernel.fn(*args, **kwargs)   # a mode="trace" kernel called from a kernel: inlined
     if rt.maybe_core() is not None:
         raise NkiValidationError(f"{kernel.fn.__name__}: a @nki.jit kernel was called from inside "
                                  f"another kernel; only the top-level kernel may carry @nki.jit "

@@ -343,3 +343,34 @@ def test_quantize_mx_scale_follows_the_version():
         with versions.nki_version("0.3"):
             assert k(x)[0, 0] == 127 + 8 - 8
         assert k(x)[0, 0] == 127 + 8 - 7
+
+
+def test_trace_mode_kernel_is_inlined_into_its_caller_under_03():
+    with versions.nki_version("0.3"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+
+            @jit(mode="trace")
+            def sub(t):
+                nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=3.0)
+
+        @jit
+        def top(x):
+            out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+            t = nl.ndarray(x.shape, x.dtype)
+            nisa.dma_copy(dst=t, src=x)
+            sub(t)
+            nisa.dma_copy(dst=out, src=t)
+            return out
+        x = np.ones((4, 8), np.float32)
+        np.testing.assert_array_equal(top(x), 3 * x)
+
+    @jit
+    def plain_sub(t):
+        return None
+
+    @jit
+    def top2(x):
+        plain_sub(x)
+    with pytest.raises(NkiValidationError, match="called from inside another kernel"):
+        top2(np.ones((4, 8), np.float32))
