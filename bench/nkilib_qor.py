@@ -300,6 +300,22 @@ def extract_file(path: Path, rel: str, commit: str | None = None):
     return rows, excluded
 
 
+def _drop_copied(rows):
+    """Rows of one file sharing an exact value written with >= 6 significant digits while their
+    parameters differ: a baseline copied from one case to others, not a measurement of each."""
+    seen = {}
+    for r in rows:
+        if _sig_digits(r["value_text"]) >= 6:
+            seen.setdefault((r["file"], r["value"]), []).append(r)
+    bad = {id(r) for rs in seen.values() if len(rs) > 1
+           and len({json.dumps(x["params"], sort_keys=True) for x in rs}) > 1 for r in rs}
+    keep = [r for r in rows if id(r) not in bad]
+    gone = [{"file": r["file"], "line": r["line"], "table": r["table"], "index": r["index"],
+             "reason": f"exact value {r['value_text']} shared by rows with other parameters "
+                       f"(a copied baseline)"} for r in rows if id(r) in bad]
+    return keep, gone
+
+
 def extract(root: Path, commit: str | None = None) -> dict:
     root = Path(root)
     rows, excluded = [], []
@@ -311,6 +327,8 @@ def extract(root: Path, commit: str | None = None) -> dict:
         r, e = extract_file(p, rel, commit)
         rows += r
         excluded += e
+    rows, copied = _drop_copied(rows)
+    excluded += copied
     return {"source": "github.com/aws-neuron/nki-library", "commit": commit,
             "unit": "ps (TpbSgCyclesSum: neuron-profile CycleCount, max over physical cores)",
             "rows": rows, "excluded": excluded}
@@ -329,6 +347,22 @@ def read_results(paths) -> list[dict]:
                 r = json.loads(line)
                 out[r["nodeid"]] = r   # the last run of a case wins
     return list(out.values())
+
+
+def one_per_row(results) -> list[dict]:
+    """One record per published row: where several harness cases matched the same table row
+    (range tests whose generated cases differ in fields the table does not carry), the case with
+    the median modeled time stands for the row (``n_cases`` says how many matched)."""
+    groups, out = {}, []
+    for r in results:
+        if r.get("source") and r.get("outcome") == "passed" and r.get("modeled_ns"):
+            groups.setdefault(r["source"], []).append(r)
+        else:
+            out.append(r)
+    for rs in groups.values():
+        rs = sorted(rs, key=lambda r: r["modeled_ns"])
+        out.append(dict(rs[(len(rs) - 1) // 2], n_cases=len(rs)))
+    return out
 
 
 def _pairs(sel):
@@ -386,6 +420,7 @@ def breakdown(results) -> dict:
 def report(results, family=None) -> str:
     if family:
         results = [r for r in results if r["family"] == family]
+    results = one_per_row(results)
     lines = ["| family | n | median \\|ln(t_model/t_pub)\\| | median t_model/t_pub | pairs ordered "
              "| t_pub ~ a + b t_model (us) |", "|---|---:|---:|---:|---:|---|"]
     for fam, s in fit(results).items():
@@ -404,7 +439,8 @@ def report(results, family=None) -> str:
         mod = f"{r['modeled_ns'] / 1e3:.1f}" if r.get("modeled_ns") else "-"
         rat = f"{r['modeled_ns'] / r['published_ns']:.2f}" if r.get("modeled_ns") and \
             r.get("published_ns") else "-"
-        case = r["nodeid"].split("::")[-1]
+        case = r["nodeid"].split("::")[-1] + (f" (1 of {r['n_cases']})" if r.get("n_cases", 1) > 1
+                                               else "")
         lines.append(f"| {case} | {r.get('lnc', '')} | {pub} | {mod} | {rat} | "
                      f"{r.get('binding', '')} | {r['outcome']}"
                      f"{': ' + r['message'][:70] if r.get('message') else ''} |")
@@ -420,7 +456,8 @@ def main(argv=None) -> int:
     e.add_argument("--out", type=Path, default=DATA)
     r = sub.add_parser("report", help="fit per family from qor_plugin results (JSON lines)")
     r.add_argument("results", type=Path, nargs="+")
-    r.add_argument("--family")
+    r.add_argument("--family", help="only this kernel family (attention_cte, mlp_cte, ...)")
+    r.add_argument("--table", type=Path, default=DATA, help="the extracted table")
     a = ap.parse_args(argv)
     if a.cmd == "extract":
         data = extract(a.root, a.commit)
@@ -431,7 +468,14 @@ def main(argv=None) -> int:
         print(f"{len(data['rows'])} rows ({fams}), {len(data['excluded'])} left out -> {a.out}")
         return 0
     print("NKI Library baselines vs the cost model (modeled: analytical cost model)")
-    print(report(read_results(a.results), a.family))
+    res = read_results(a.results)
+    if a.table.exists():   # only rows the table keeps (copied baselines etc. left out)
+        keep = {f"{r['file']}:{r['line']}" for r in load(a.table)["rows"]}
+        dropped = [r for r in res if r.get("source") and r["source"] not in keep]
+        res = [r for r in res if not r.get("source") or r["source"] in keep]
+        if dropped:
+            print(f"({len(dropped)} results on rows the table leaves out are not counted)")
+    print(report(res, a.family))
     return 0
 
 
