@@ -609,7 +609,9 @@ class _Costs:
         """Descriptors -> per-queue work. Returns (bytes moved, descriptors, hbm_r, hbm_w)."""
         cp, a = self.cp, ins.attrs
         it.kind = "dma"
-        reads = list(ins.reads)
+        # the index tile of a vector-offset gather / scatter orders the DMA (a dependency) but is
+        # not moved by it: it sets neither the descriptors nor the bytes
+        reads = [o for o in ins.reads if o.role != "index"]
         writes = list(ins.writes)
         ops_all = reads + writes
         hbm_r = sum(o.nbytes for o in reads if not o.on_chip)
@@ -640,8 +642,7 @@ class _Costs:
         contig = max(1, contig)
         hbm = hbm_r + hbm_w
         # dma_compute reads every source through the queues: each is a full transfer's work
-        passes = max(1, sum(1 for o in reads if o.role != "index")) \
-            if ins.opcode == "dma_compute" else 1
+        passes = max(1, len(reads)) if ins.opcode == "dma_compute" else 1
         nq, ppq = cp.dma_queues, cp.dma_partitions_per_queue
         bw, bmin, bfix = cp.dma_bw_q, cp.dma_b_min, cp.dma_b_fix
         segs = []
