@@ -7,7 +7,7 @@ instance), validates its arguments, picks its kernel variant, and runs it on the
 from .attention.decode_attention import decode_attention
 from .attention.flash_attention import flash_attention
 from .attention.merge_attention_states import merge_attention_states
-from .attention.mla_decode import mla_decode  # noqa: F401  (in __all__ once nki_kernels.torch has its op)
+from .attention.mla_decode import mla_decode
 from .dense.matmul import matmul
 from .dense.qkv_proj import QKVOutput, qkv_proj
 from .dense.swiglu_mlp import swiglu_mlp, tile_weight
@@ -20,4 +20,4 @@ __version__ = "0.1.0"
 __all__ = ["matmul", "flash_attention", "qkv_proj", "QKVOutput", "swiglu_mlp", "tile_weight",
            "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "MXTensor",
            "router_topk", "fused_moe", "tile_expert_weights",
-           "decode_attention", "merge_attention_states"]
+           "decode_attention", "merge_attention_states", "mla_decode"]

@@ -60,6 +60,8 @@ def _cases():
     tw = torch.rand((12, 2), generator=g) + 0.1
     xm = _t((12, 256), 28)
     wgu, wdn = _t((8, 256, 256), 29, 1 / 16), _t((8, 128, 256), 30, 1 / 12)
+    qn, qr, lat = _t((2, 1, 16, 512), 31, 0.05), _t((2, 1, 16, 64), 32), _t((2, 40, 576), 33)
+    mla_lens = torch.tensor([40, 9], dtype=torch.int32)
     return {
         "matmul": ((x, w), {}, lambda: nki_kernels.matmul(_np(x), _np(w))),
         "flash_attention": ((q, k, v), dict(causal=True, window=8, softcap=20.0, sinks=sinks),
@@ -98,6 +100,8 @@ def _cases():
         "fused_moe": ((xm, wgu, wdn, tw, ids), {}, lambda: nki_kernels.fused_moe(
             _np(xm), _np(wgu), _np(wdn), _np(tw), _np(ids))),
         "tile_expert_weights": ((wdn,), {}, lambda: nki_kernels.tile_expert_weights(_np(wdn))),
+        "mla_decode": ((qn, qr, lat, mla_lens, 0.07), {}, lambda: nki_kernels.mla_decode(
+            _np(qn), _np(qr), _np(lat), _np(mla_lens), scale=0.07)),
     }
 
 
@@ -172,7 +176,7 @@ def test_compile_a_block_calling_several_ops():
 
 @pytest.mark.parametrize("name", ["flash_attention", "qkv_proj", "swiglu_mlp", "matmul",
                                   "rmsnorm_quant", "decode_attention", "merge_attention_states",
-                                  "router_topk", "fused_moe"])
+                                  "router_topk", "fused_moe", "mla_decode"])
 def test_reference_implementation(name, monkeypatch):
     """NKI_KERNELS_TORCH_IMPL=reference (and the context manager) runs the NumPy reference:
     close to the kernel, not the same code."""

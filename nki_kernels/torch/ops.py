@@ -34,6 +34,7 @@ from .. import backend
 from ..attention.decode_attention import decode_attention as _decode_attention
 from ..attention.flash_attention import flash_attention as _flash_attention
 from ..attention.merge_attention_states import merge_attention_states as _merge_states
+from ..attention.mla_decode import mla_decode as _mla_decode
 from ..dense.matmul import matmul as _matmul
 from ..dense.qkv_proj import qkv_proj as _qkv_proj
 from ..dense.swiglu_mlp import swiglu_mlp as _swiglu_mlp
@@ -355,6 +356,28 @@ def _merge_fake(o_a, lse_a, o_b, lse_b):
     return _empty(o_a.shape, o_a.dtype, o_a), _empty(lse_a.shape, torch.float32, o_a)
 
 
+# -------------------------------------------------------------------------------- mla_decode
+def _mla_kernel(q_nope, q_rope, kv_cache, seq_lens, scale, block_table=None, kv_scale=None,
+                lnc=1):
+    return _mla_decode(q_nope, q_rope, kv_cache, _py(seq_lens), block_table=_py(block_table),
+                       scale=float(scale), kv_scale=None if kv_scale is None else float(kv_scale),
+                       return_lse=True, lnc=lnc)
+
+
+def _mla_ref(q_nope, q_rope, kv_cache, seq_lens, scale, block_table=None, kv_scale=None,
+             lnc=1):
+    from ..reference.mla_decode import mla_decode_ref
+    return mla_decode_ref(q_nope, q_rope, kv_cache, _py(seq_lens), block_table=_py(block_table),
+                          scale=float(scale),
+                          kv_scale=None if kv_scale is None else float(kv_scale),
+                          out_dtype=np.asarray(q_nope).dtype.name)
+
+
+def _mla_fake(q_nope, q_rope, kv_cache, seq_lens, scale, block_table=None, kv_scale=None, lnc=1):
+    return _empty(q_nope.shape, q_nope.dtype, q_nope), \
+        _empty(q_nope.shape[:3], torch.float32, q_nope)
+
+
 # ------------------------------------------------------------------------------------- MoE
 def _router_kernel(logits, top_k, **kw):
     return _router_topk(logits, top_k, **kw)
@@ -458,6 +481,10 @@ _add(OpDef("decode_attention_lse", _DA_SIG + " -> (Tensor, Tensor)",
            functools.partial(_da_ref, return_lse=True), numpy_like=_KV_FP8))
 _add(OpDef("merge_attention_states", "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) -> "
            "(Tensor, Tensor)", _merge_states, _merge_fake, _merge_ref))
+_add(OpDef("mla_decode", "(Tensor q_nope, Tensor q_rope, Tensor kv_cache, Tensor seq_lens, "
+           "float scale, Tensor? block_table=None, float? kv_scale=None, int lnc=1) -> "
+           "(Tensor, Tensor)", _mla_kernel, _mla_fake, _mla_ref,
+           numpy_like=_like_fp8(("kv_cache",))))
 _add(OpDef("router_topk", "(Tensor logits, int top_k, str scoring='softmax', "
            "bool renormalize=True, int? n_groups=None, int? topk_groups=None, "
            "Tensor? correction_bias=None, float routed_scaling=1.0) -> (Tensor, Tensor)",
