@@ -466,9 +466,9 @@ def readme_table(published=None, tier: str = "models", targets=("trn2", "trn3"))
     per = {t: {row_key(r): r for r in read_jsonl(src / f"{tier}_{t}.jsonl")} for t in targets}
     defined = {t: [row_key({"op": c.op, "shape": c.shape, "dtype": c.dtype, "lnc": c.lnc})
                    for c in select(None, tier, t)] for t in targets}
-    keys = []
-    for t in reversed(targets):                     # trn3's order first (it has every op)
-        keys += [k for k in defined[t] + list(per[t]) if k not in keys]
+    keys = {}                                       # ordered set: trn3's order first
+    for t in reversed(targets):                     # (it has every op)
+        keys.update(dict.fromkeys(defined[t] + list(per[t])))
     rows = [r for t in targets for r in per[t].values()]
     if not rows:
         return "_no published bench rows: run `make publish`_\n"

@@ -56,3 +56,11 @@ def test_readme_performance_table_is_generated_from_the_published_json():
     b = text.index(harness.README_END)
     assert _published_lines(text[a:b]) == _published_lines("\n" + harness.readme_table()), \
         "README table differs from bench/published: run `nki-kernels bench --readme`"
+
+
+def test_readme_performance_table_lists_each_case_once():
+    from nki_kernels.bench.harness import readme_table
+    rows = [ln for ln in readme_table().splitlines()
+            if ln.startswith("| ") and not ln.startswith("| op |")]
+    keys = [tuple(c.strip() for c in ln.split("|")[1:4]) for ln in rows]
+    assert rows and len(keys) == len(set(keys))
