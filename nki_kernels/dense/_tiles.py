@@ -452,6 +452,21 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
     return accs
 
 
+def transposed_group(yT, ident_f, widths, g0, g1, s0, ts):
+    """Feature tiles ``g0..g1`` (at most 4: one fp32 PSUM bank) of ``yT [128, nf, tokens]`` for
+    tokens ``s0..s0+ts``, transposed on TensorE into one PSUM tile ``[ts, sum(widths[g0:g1])]``
+    (fp32 transpose mode against the identity ``ident_f``): the row-major epilogue's input."""
+    gw = sum(widths[g0:g1])
+    tp = nl.ndarray((ts, gw), dtype=nl.float32, buffer=nl.psum)           # [ts, gw]
+    o = 0
+    for f in range(g0, g1):
+        nn = widths[f]
+        nisa.nc_matmul(dst=tp[:, o:o + nn], stationary=yT[0:nn, f, s0:s0 + ts],
+                       moving=ident_f[0:nn, 0:nn], is_transpose=True)
+        o += nn
+    return tp
+
+
 def _tile_chunks(KTe, kb, step):
     """Balanced k-chunks of at most ``kb`` k-tiles (tile-major weights: every run is long; the
     last transfer of a pass is one tile's chunk, small anyway)."""

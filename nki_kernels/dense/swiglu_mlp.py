@@ -457,13 +457,7 @@ def _store_y(y, residual, ident_f, yT, t0, tb, c0, widths):
         for g0 in range(0, len(widths), 4):
             g1 = min(len(widths), g0 + 4)
             gw = sum(widths[g0:g1])
-            tp = nl.ndarray((ts, gw), dtype=nl.float32, buffer=nl.psum)    # [ts, gw]
-            o = 0
-            for f in range(g0, g1):
-                nn = widths[f]
-                nisa.nc_matmul(dst=tp[:, o:o + nn], stationary=yT[0:nn, f, s0:s0 + ts],
-                               moving=ident_f[0:nn, 0:nn], is_transpose=True)
-                o += nn
+            tp = D.transposed_group(yT, ident_f, widths, g0, g1, s0, ts)         # [ts, gw]
             if r_sb is not None:
                 nisa.tensor_tensor(dst=y_sb[:, col:col + gw], data1=tp,
                                    data2=r_sb[:, col:col + gw], op=nl.add)

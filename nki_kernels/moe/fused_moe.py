@@ -585,13 +585,7 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis):
         for g0 in range(0, len(widths), 4):
             g1 = min(len(widths), g0 + 4)
             gw = sum(widths[g0:g1])
-            tp = nl.ndarray((ts, gw), dtype=nl.float32, buffer=nl.psum)           # [ts, gw]
-            o = 0
-            for f in range(g0, g1):
-                nn = widths[f]
-                nisa.nc_matmul(dst=tp[:, o:o + nn], stationary=yT[0:nn, f, s0:s0 + ts],
-                               moving=ident_f[0:nn, 0:nn], is_transpose=True)
-                o += nn
+            tp = D.transposed_group(yT, ident_f, widths, g0, g1, s0, ts)         # [ts, gw]
             eng = nisa.engine.scalar if (g0 // 4) % 2 else nisa.engine.vector
             nisa.tensor_copy(dst=y_sb[:, col:col + gw], src=tp, engine=eng)
             col += gw
