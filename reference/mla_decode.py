@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from .decode_attention import gather_kv  # [L, 576] latent rows: the paged gather of decode
+
 BF16 = ml_dtypes.bfloat16
 
 
@@ -98,17 +100,6 @@ def apply_w_uv(o_lat, w_uv):
                      np.asarray(w_uv, dtype=np.float64))
 
 
-def gather_latent(cache, b, length, block_table=None):
-    """The first ``length`` latent rows of sequence ``b``: ``[length, 576]`` (cache dtype)."""
-    cache = np.asarray(cache)
-    if block_table is None:
-        return cache[b, :length]
-    bs = cache.shape[1]
-    nblk = -(-length // bs)
-    pages = np.asarray(block_table)[b, :nblk]
-    return cache[pages].reshape((nblk * bs, cache.shape[2]))[:length]
-
-
 def _softmax_rows(s, p_dtype):
     """``(p used for V / denominator, lse)`` of logits ``s [..., L]`` (masked = -inf)."""
     m = np.max(s, axis=-1, keepdims=True)
@@ -138,7 +129,7 @@ def mla_decode_ref(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scal
         L = int(seq_lens[b])
         if L == 0:
             continue
-        c = gather_latent(kv_cache, b, L, block_table).astype(ct) * ct(ks)       # [L, 576]
+        c = gather_kv(kv_cache, b, L, block_table).astype(ct) * ct(ks)       # [L, 576]
         s = (np.einsum("shl,jl->shj", qn[b], c[:, :rank])
              + np.einsum("shr,jr->shj", qr[b], c[:, rank:])) * ct(scale)          # [s_q, H, L]
         pos = L - s_q + np.arange(s_q)
@@ -169,7 +160,7 @@ def mla_unabsorbed_ref(q_nope_heads, q_rope, kv_cache, seq_lens, w_uk, w_uv, *, 
         L = int(seq_lens[b])
         if L == 0:
             continue
-        c = gather_latent(kv_cache, b, L, block_table).astype(f) * ks
+        c = gather_kv(kv_cache, b, L, block_table).astype(f) * ks
         k_nope = np.einsum("jl,hln->hjn", c[:, :rank], w_uk)                     # [H, L, nope]
         v = np.einsum("jl,hlv->hjv", c[:, :rank], w_uv)                          # [H, L, v]
         s = (np.einsum("shn,hjn->shj", qn[b], k_nope)
