@@ -36,7 +36,7 @@ from .decode_attention import _per_head, gather_kv
 from .flash_attention import attended_pairs
 
 _OUT = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
-ROW_BLOCK = 256            # query rows scored at once (bounds the [H_q, rows, L] score array)
+SCORE_ELEMS = 1 << 23      # query rows are scored in blocks of at most this many [H_q, rows, L]
 
 
 def _name(x) -> str:
@@ -84,8 +84,9 @@ def paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_
         k = np.repeat(k.transpose(1, 0, 2), G, axis=0)            # [Hq, L, d]
         v = np.repeat(v.transpose(1, 0, 2), G, axis=0)
         j = np.arange(L)[None, :]
-        for i0 in range(0, n, ROW_BLOCK):
-            i1 = min(n, i0 + ROW_BLOCK)
+        blk = max(1, min(256, SCORE_ELEMS // max(1, Hq * L)))
+        for i0 in range(0, n, blk):
+            i1 = min(n, i0 + blk)
             if not want[a + i0:a + i1].any():
                 continue
             pos = L - n + np.arange(i0, i1)[:, None]               # [rows, 1]

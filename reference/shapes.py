@@ -429,6 +429,67 @@ MLA_DEFAULT = (mla_decode_of(DEEPSEEK_V3_TP8, 4096),)
 MLA_FAST = (MLADecodeShape("small mla H=16 B=2 L=300", (300, 77), 1, 16, page_size=16),
             MLADecodeShape("small mla H=128 B=1 L=200 s_q=2", (200,), 2, 128))
 
+
+# Paged attention bench rows (issue 16): ragged serving steps over a paged cache (block 64), bf16
+# and FP8 KV ("fp8" = the target's FP8). Chunked prefill of Llama-3-8B on one KV-head group (its 4
+# query heads and their KV head, as the prefill bench) with a 2K chunk over 0 / 8K / 32K cached
+# tokens; a mixed step of 32 decodes at 4K + one fresh 2K chunk on 4 of the 8 KV heads (16 query
+# heads: one full decode row group, as the decode bench's slices). The names say which slice runs.
+@dataclass(frozen=True)
+class PagedBenchShape:
+    """A paged-attention step: request ``r`` has ``q_lens[r]`` new tokens, the last ones of its
+    ``seq_lens[r]`` (cached prefix + the new tokens, already appended); the heads that run, the
+    page size, the cache dtype and the cores used."""
+    name: str
+    q_lens: tuple
+    seq_lens: tuple
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    page_size: int = 64
+    kv_dtype: str = "bfloat16"
+    lnc: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+def paged_chunk_of(cfg: ModelConfig, chunk: int, prefix: int, page_size: int = 64,
+                   kv_dtype: str = "bfloat16") -> PagedBenchShape:
+    """A ``chunk``-token prompt chunk over ``prefix`` cached tokens, one KV-head group of cfg."""
+    g = cfg.gqa_group
+    fp8 = " fp8" if kv_dtype != "bfloat16" else ""
+    return PagedBenchShape(f"{_slug(cfg)} chunk {_k(chunk)} over {_k(prefix)} paged/{page_size}"
+                           f"{fp8} ({g} of {cfg.n_q_heads} q-heads)", (chunk,), (prefix + chunk,),
+                           g, 1, cfg.head_dim, page_size, kv_dtype)
+
+
+def paged_mixed_of(cfg: ModelConfig, n_decode: int, decode_len: int, chunk: int, prefix: int = 0,
+                   kv_heads: int = 0, page_size: int = 64,
+                   kv_dtype: str = "bfloat16") -> PagedBenchShape:
+    """``n_decode`` decodes at ``decode_len`` tokens + one ``chunk`` over ``prefix``, on
+    ``kv_heads`` of cfg's KV heads (0 = all) and their query heads."""
+    hkv = kv_heads or cfg.n_kv_heads
+    fp8 = " fp8" if kv_dtype != "bfloat16" else ""
+    over = f" over {_k(prefix)}" if prefix else ""
+    part = f" ({hkv} of {cfg.n_kv_heads} KV heads)" if hkv != cfg.n_kv_heads else ""
+    return PagedBenchShape(f"{_slug(cfg)} {n_decode}x{_k(decode_len)} decodes + {_k(chunk)} chunk"
+                           f"{over} paged/{page_size}{fp8}{part}", (1,) * n_decode + (chunk,),
+                           (decode_len,) * n_decode + (prefix + chunk,), cfg.gqa_group * hkv, hkv,
+                           cfg.head_dim, page_size, kv_dtype)
+
+
+PAGED_MODELS = tuple(paged_chunk_of(LLAMA3_8B, 2048, p, kv_dtype=dt)
+                     for dt in ("bfloat16", "fp8") for p in (0, 8192, 32768)) + tuple(
+    paged_mixed_of(LLAMA3_8B, 32, 4096, 2048, kv_heads=4, kv_dtype=dt) for dt in ("bfloat16", "fp8"))
+PAGED_DEFAULT = (PAGED_MODELS[1],)           # the chunk over an 8K prefix (bf16)
+PAGED_FAST = (
+    PagedBenchShape("small mixed 3 decodes + chunk 200 over 100 + idle paged/16", (1, 1, 1, 200, 0),
+                    (300, 77, 1, 300, 50), 4, 1, 128, 16),
+    PagedBenchShape("small chunk 256 over 512 gqa 8/2 d=64 paged/64", (256,), (768,), 8, 2, 64, 64),
+)
+
 # ---------------------------------------------------------------------------------------- tiers
 
 
