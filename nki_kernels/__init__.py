@@ -8,6 +8,7 @@ from .attention.decode_attention import decode_attention
 from .attention.flash_attention import flash_attention
 from .attention.merge_attention_states import merge_attention_states
 from .attention.mla_decode import mla_decode
+from .attention.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
 from .dense.matmul import matmul
 from .dense.qkv_proj import QKVOutput, qkv_proj
 from .dense.swiglu_mlp import swiglu_mlp, tile_weight
@@ -20,4 +21,5 @@ __version__ = "0.1.0"
 __all__ = ["matmul", "flash_attention", "qkv_proj", "QKVOutput", "swiglu_mlp", "tile_weight",
            "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "MXTensor",
            "router_topk", "fused_moe", "tile_expert_weights",
-           "decode_attention", "merge_attention_states", "mla_decode"]
+           "decode_attention", "merge_attention_states", "mla_decode",
+           "paged_attention", "plan_paged_attention", "PagedAttentionPlan"]

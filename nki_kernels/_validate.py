@@ -106,3 +106,41 @@ def check_no_grad(op, *arrays):
         warnings.warn(f"{op}: nki-kernels ops are inference-only: inputs that require grad are "
                       f"read detached and the result has no autograd history", UserWarning,
                       stacklevel=3)
+
+
+# ---------------------------------------------------------------------- attention host inputs
+def positive_number(op, name, x, allow_none=True):
+    """A finite number > 0 (not a bool) as a float, or None when allowed."""
+    if x is None and allow_none:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)) \
+            or not np.isfinite(float(x)) or float(x) <= 0:
+        raise ValueError(f"{op}: {name} must be a finite number > 0{' or None' if allow_none else ''};"
+                         f" got {x!r}")
+    return float(x)
+
+
+def host_ints(op, name, x):
+    """A host integer array (NumPy, list or CPU torch tensor); TypeError for any other dtype."""
+    if is_torch(x):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{op}: {name} must be an integer array; got dtype {a.dtype}")
+    return a
+
+
+def kv_scales(op, name, s, h_kv):
+    """An FP8 KV-cache scale (k_scale / v_scale): None, a positive scalar, or one positive value
+    per KV head; float64 ``[H_kv]`` (or None)."""
+    if s is None:
+        return None
+    if is_torch(s):
+        s = s.detach().float().cpu().numpy()
+    a = np.asarray(s, dtype=np.float64).reshape(-1)
+    if a.size not in (1, h_kv):
+        raise ValueError(f"{op}: {name} must be a scalar or have H_kv = {h_kv} values (per KV "
+                         f"head); got {a.size} values")
+    if not np.all(np.isfinite(a)) or np.any(a <= 0):
+        raise ValueError(f"{op}: {name} must be finite and > 0; got {a.tolist()}")
+    return np.broadcast_to(a, (h_kv,)).astype(np.float64)

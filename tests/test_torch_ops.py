@@ -62,6 +62,11 @@ def _cases():
     wgu, wdn = _t((8, 256, 256), 29, 1 / 16), _t((8, 128, 256), 30, 1 / 12)
     qn, qr, lat = _t((2, 1, 16, 512), 31, 0.05), _t((2, 1, 16, 64), 32), _t((2, 40, 576), 33)
     mla_lens = torch.tensor([40, 9], dtype=torch.int32)
+    # a ragged batch: a decode, a 40-token chunk over a 30-token prefix, a 3-token draft
+    plens, pqsl = torch.tensor([20, 70, 9]), torch.tensor([0, 1, 41, 44])
+    pkc, pvc = _t((12, 16, 2, 64), 34), _t((12, 16, 2, 64), 35)
+    pbt = torch.tensor([[3, 7, 0, 0, 0], [1, 5, 9, 11, 2], [8, 0, 0, 0, 0]], dtype=torch.int32)
+    pq = _t((44, 4, 64), 36)
     return {
         "matmul": ((x, w), {}, lambda: nki_kernels.matmul(_np(x), _np(w))),
         "flash_attention": ((q, k, v), dict(causal=True, window=8, softcap=20.0, sinks=sinks),
@@ -92,6 +97,14 @@ def _cases():
                                  sinks=_np(sinks))),
         "decode_attention_lse": ((dq, kc, vc, lens), {}, lambda: nki_kernels.decode_attention(
             _np(dq), _np(kc), _np(vc), _np(lens), return_lse=True)),
+        "paged_attention": ((pq, pkc, pvc, pbt, plens, pqsl), dict(window=24),
+                            lambda: nki_kernels.paged_attention(
+                                _np(pq), _np(pkc), _np(pvc), _np(pbt), _np(plens), _np(pqsl),
+                                window=24)),
+        "paged_attention_lse": ((pq, pkc, pvc, pbt, plens, pqsl), {},
+                                lambda: nki_kernels.paged_attention(
+                                    _np(pq), _np(pkc), _np(pvc), _np(pbt), _np(plens), _np(pqsl),
+                                    return_lse=True)),
         "merge_attention_states": ((oa, la, ob, lb), {}, lambda: nki_kernels.merge_attention_states(
             _np(oa), _np(la), _np(ob), _np(lb))),
         "router_topk": ((logits, 2), dict(scoring="sigmoid", n_groups=4, topk_groups=2),
@@ -110,7 +123,7 @@ CASES = _cases()
 
 def test_every_public_op_is_registered():
     """Every op of nki_kernels.__all__ has a torch op (helpers and result types excepted)."""
-    helpers = {"QKVOutput", "MXTensor"}
+    helpers = {"QKVOutput", "MXTensor", "plan_paged_attention", "PagedAttentionPlan"}
     for name in set(nki_kernels.__all__) - helpers:
         assert hasattr(torch.ops.nki_kernels, name), name
         assert name in nko.OPS

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._validate import dtype_name as _dtype_name
+from .._validate import host_ints as _host_ints
 from .._validate import is_torch as _is_torch
+from .._validate import kv_scales, positive_number
 from ..backend import launch, nisa, nki, nl
 from .kv_cache import (
     BLOCK_SIZES,
@@ -94,6 +96,9 @@ class DecodePlan(nl.NKIObject):
     out_dtype: object
     kt_act: float
     gather: str = "page"
+    q_rows: tuple = ()        # ragged q / out (paged_attention): [T, H_q, d], sequence b's rows
+                              # at q_rows[b]:q_rows[b] + s_q; () = [B, s_q, H_q, d]
+    bt_rows: tuple = ()       # block-table row of sequence b (() = row b)
 
     @property
     def G(self) -> int:
@@ -120,6 +125,16 @@ class DecodePlan(nl.NKIObject):
 
     def group_heads(self, g: int):
         return list(range(g * self.nslot, min(self.Hkv, (g + 1) * self.nslot)))
+
+    def table_row(self, b: int) -> int:
+        return self.bt_rows[b] if self.bt_rows else b
+
+    def rows_of(self, t, b: int):
+        """Sequence ``b``'s ``[s_q, ...]`` rows of q, out or lse (batched or ragged layout)."""
+        if not self.q_rows:
+            return t[b]
+        r = self.q_rows[b]
+        return t[r:r + self.s_q]
 
 
 def sbuf_bytes(T: int, h_kv: int, d: int, itemsize: int, nslot: int) -> int:
@@ -258,13 +273,13 @@ def _weave(a, b, ratio):
                     break
 
 
-def _table_row(block_table, it, lay):
+def _table_row(block_table, it, lay, row):
     """The block-table entries of the pages item ``it`` reads: int32 SBUF ``[1, pages]``, one
     contiguous DMA (entries past the sequence's end are not read)."""
     p0 = it.k0 // lay.block_size
     n = -(-it.k1 // lay.block_size) - p0
     bt = nl.ndarray((1, n), dtype=nl.int32, buffer=nl.sbuf)                     # [1, pages]
-    nisa.dma_copy(dst=bt, src=block_table[it.b, p0:p0 + n].reshape((1, n)))
+    nisa.dma_copy(dst=bt, src=block_table[row, p0:p0 + n].reshape((1, n)))
     return bt
 
 
@@ -318,10 +333,11 @@ class _Run:
             if ii not in groups:
                 groups[ii] = self.start(it)
                 if self.cfg.gather == "vector":
-                    idx[ii] = [page_rows(self.bt, it.b, a, min(it.k1 - a, P * lay.tile_keys), lay)
+                    row = self.cfg.table_row(it.b)
+                    idx[ii] = [page_rows(self.bt, row, a, min(it.k1 - a, P * lay.tile_keys), lay)
                                for a in range(it.k0, it.k1, P * lay.tile_keys)]
                 elif lay.paged:
-                    idx[ii] = _table_row(self.bt, it, lay)
+                    idx[ii] = _table_row(self.bt, it, lay, self.cfg.table_row(it.b))
             cache = self.kc if which == "k" else self.vc
             t = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=cache.dtype, buffer=nl.sbuf)
             zero = fp8 and which == "k"                                 # K^T by matmul
@@ -396,7 +412,7 @@ class _Run:
             if cfg.rows < cfg.W or rows < P:
                 nisa.memset(dst=q_sb, value=0.0, engine=nisa.engine.gpsimd)
             for s, h in enumerate(heads):
-                src = self.q[it.b, :, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))  # [G, s_q, d]
+                src = cfg.rows_of(self.q, it.b)[:, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))
                 r0 = s * cfg.W + cfg.row_off(it.b)
                 nisa.dma_copy(dst=q_sb[r0:r0 + cfg.rows, :], src=src)
             rt = self.rt_all[:, it.b, g, :]                                        # [128, 5]
@@ -456,10 +472,10 @@ class _Run:
         sm.finalize(o_sb, l_sb)
         for s, h in enumerate(grp.heads):
             r0 = s * cfg.W + cfg.row_off(b)
-            dst = self.out[b, :, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))   # [G, s_q, d]
+            dst = cfg.rows_of(self.out, b)[:, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))
             nisa.dma_copy(dst=dst, src=o_sb[r0:r0 + cfg.rows, :])
             if l_sb is not None:
-                dl = self.lse[b, :, h * cfg.G:(h + 1) * cfg.G].permute((1, 0))        # [G, s_q]
+                dl = cfg.rows_of(self.lse, b)[:, h * cfg.G:(h + 1) * cfg.G].permute((1, 0))
                 nisa.dma_copy(dst=dl, src=l_sb[r0:r0 + cfg.rows, :])
 
     def merge_owned(self, owned):
@@ -614,40 +630,6 @@ _Q_DTYPES = ("bfloat16", "float16")
 _FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}
 
 
-def _number(op, name, x, allow_none=True):
-    if x is None and allow_none:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(float(x)) or float(x) <= 0:
-        raise ValueError(f"{op}: {name} must be a finite number > 0{' or None' if allow_none else ''};"
-                         f" got {x!r}")
-    return float(x)
-
-
-def _scales(name, s, Hkv):
-    """k_scale / v_scale: None, a positive scalar, or one positive value per KV head."""
-    if s is None:
-        return None
-    if _is_torch(s):
-        s = s.detach().float().cpu().numpy()
-    a = np.asarray(s, dtype=np.float64).reshape(-1)
-    if a.size not in (1, Hkv):
-        raise ValueError(f"decode_attention: {name} must be a scalar or have H_kv = {Hkv} values "
-                         f"(per KV head); got {a.size} values")
-    if not np.all(np.isfinite(a)) or np.any(a <= 0):
-        raise ValueError(f"decode_attention: {name} must be finite and > 0; got {a.tolist()}")
-    return np.broadcast_to(a, (Hkv,)).astype(np.float64)
-
-
-def _host_ints(op, name, x):
-    if _is_torch(x):
-        x = x.detach().cpu().numpy()
-    a = np.asarray(x)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{op}: {name} must be an integer array; got dtype {a.dtype}")
-    return a
-
-
 def _check_inputs(q, k_cache, v_cache, seq_lens, block_table, window, lnc):
     op = "decode_attention"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -715,7 +697,7 @@ def _check_inputs(q, k_cache, v_cache, seq_lens, block_table, window, lnc):
 
 def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=None, window=None,
                      softcap=None, sinks=None, k_scale=None, v_scale=None, return_lse=False,
-                     lnc=1):
+                     lnc=1, plan=None):
     """Decode attention over a contiguous or paged (vLLM) KV cache, flash-decoding style.
 
     Args:
@@ -735,6 +717,10 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
       k_scale, v_scale: FP8 dequantization scales, a scalar or one per KV head (vLLM).
       return_lse: also return lse [B, s_q, H_q] float32 (natural log, sink included).
       lnc: 1, or 2 to split the work (long sequences: their KV) over both cores of a logical core.
+      plan: a :func:`~nki_kernels.plan_paged_attention` plan of this batch (``query_start_loc``
+         ``= [0, s_q, 2 s_q, ...]``), made once per decode step and reused by every layer; it
+         must match the call (lengths, heads, head_dim, block size, KV dtype, window, lnc,
+         target), else ValueError.
     Returns:
       o [B, s_q, H_q, d] in q's dtype (and lse).
     """
@@ -755,10 +741,10 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
     is_fp8 = kn == fp8
     if not is_fp8 and (k_scale is not None or v_scale is not None):
         raise ValueError(f"{op}: k_scale / v_scale apply to FP8 caches only; the cache is {kn}")
-    ks = _scales("k_scale", k_scale, Hkv)
-    vs = _scales("v_scale", v_scale, Hkv)
-    scale = 1.0 / math.sqrt(d) if scale is None else _number(op, "scale", scale, False)
-    softcap = _number(op, "softcap", softcap)
+    ks = kv_scales(op, "k_scale", k_scale, Hkv)
+    vs = kv_scales(op, "v_scale", v_scale, Hkv)
+    scale = 1.0 / math.sqrt(d) if scale is None else positive_number(op, "scale", scale, False)
+    softcap = positive_number(op, "softcap", softcap)
     sk = None
     if sinks is not None:
         if _is_torch(sinks):
@@ -767,17 +753,16 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
         if sk.shape != (Hq,):
             raise ValueError(f"{op}: sinks must have shape (H_q,) = ({Hq},); got {sk.shape}")
     isz = 1 if is_fp8 else 2
-    T = tokens_per_partition(Hkv, d, isz, bs, max_len=int(sl.max(initial=1)),
-                             total=int(sl.sum()) // lnc)
-    rows = Hq // Hkv * s_q
-    W = slot_width(rows)
-    budget = int(nl.tile_size.sbuf_fmax_bytes * 0.8)
-    while T > 1 and sbuf_bytes(T, Hkv, d, isz, P // W) > budget:
-        T //= 2
-    lay = KVLayout(bt is not None, bs or 0, Hkv, d, T)
-    items = plan_split_kv([int(x) for x in sl], lay.tile_keys, lnc, s_q=s_q, window=window)
+    lens = tuple(int(x) for x in sl)
+    if plan is not None:
+        from .paged_attention import decode_schedule_of
+        lay, items = decode_schedule_of(plan, "decode_attention", lens, s_q, Hq, Hkv, d, isz, bs,
+                                        window, lnc)
+    else:
+        lay, items = decode_schedule(lens, s_q, Hq, Hkv, d, isz, bs, window, lnc)
+    W = slot_width(Hq // Hkv * s_q)
     plan = DecodePlan(B=B, s_q=s_q, Hq=Hq, Hkv=Hkv, d=d, W=W, nslot=P // W, layout=lay,
-                      seq_lens=tuple(int(x) for x in sl), items=items, window=int(window or 0),
+                      seq_lens=lens, items=items, window=int(window or 0),
                       softcap=float(softcap or 0.0), has_sinks=sk is not None,
                       has_vscale=vs is not None, return_lse=bool(return_lse),
                       out_dtype=getattr(nl, qn), kt_act=0.5, gather=GATHER)
@@ -785,6 +770,21 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
     bt_arg = None if bt is None else np.ascontiguousarray(bt.astype(np.int32))
     res = launch(decode_attention_kernel, q, k_cache, v_cache, bt_arg, rowtab, plan, lnc=lnc)
     return tuple(res) if return_lse else res
+
+
+def decode_schedule(lens, s_q, Hq, Hkv, d, isz, block_size, window, lnc):
+    """The host schedule of a decode batch (plan once per step, run per layer): the KV tile
+    geometry (``T`` tokens per partition: long runs, a few tiles per program, SBUF budget) and
+    the split-KV work items of every program. ``lens``: host lengths; ``block_size`` None for a
+    contiguous cache."""
+    T = tokens_per_partition(Hkv, d, isz, block_size, max_len=max([1, *lens]),
+                             total=sum(lens) // lnc)
+    W = slot_width(Hq // Hkv * s_q)
+    budget = int(nl.tile_size.sbuf_fmax_bytes * 0.8)
+    while T > 1 and sbuf_bytes(T, Hkv, d, isz, P // W) > budget:
+        T //= 2
+    lay = KVLayout(block_size is not None, block_size or 0, Hkv, d, T)
+    return lay, plan_split_kv(list(lens), lay.tile_keys, lnc, s_q=s_q, window=window)
 
 
 def row_table(plan: DecodePlan, scale, k_scale, v_scale, sinks):

@@ -89,6 +89,7 @@ class FlashAttentionPlan(nl.NKIObject):
     o_update: str
     x_sbuf: bool
     lags: tuple
+    v_scale: float = 0.0      # FP8 V (paged_attention): o = v_scale * softmax V; 0 = none
 
     @property
     def xmul(self) -> float:
@@ -241,20 +242,35 @@ def flash_attention_kernel(q, k, v, sinks, cfg):
         if (u.b, u.kv_head) not in groups:
             groups.append((u.b, u.kv_head))
     for b, hk in groups:
-        my_units = sorted((u for u in mine if u.b == b and u.kv_head == hk), key=lambda u: u.q0)
-        for ci, (c0, c1) in enumerate(chunks):
-            cu = [u for u in my_units if u.visits[ci] is not None]
-            if not cu:
-                continue
-            ctx = _Chunk(q, out, lse, sinks, hbm_state, ident, ci, c0, spec, d, DT, cfg)
-            ctx.plan_work([(u, h) for h in gqa_heads(Hq, Hkv, hk) for u in cu])
-            ctx.kT, ctx.vs = _load_kv(k, v, b, hk, c0, c1, d, DT, cfg)   # DMA queues are FIFO:
-            ctx.run()                                                   # Q^T batch 0 goes first
-            del ctx                 # free its SBUF/PSUM before the next chunk allocates
-
+        my_units = [u for u in mine if u.b == b and u.kv_head == hk]
+        run_kv_group(q, out, lse, sinks, hbm_state, ident, spec, chunks, my_units, Hq, Hkv, d,
+                     cfg, lambda c0, c1, b=b, hk=hk: _load_kv(k, v, b, hk, c0, c1, d, DT, cfg))
     if cfg.return_lse:
         return out, lse
     return out
+
+
+def run_kv_group(q, out, lse, sinks, hbm_state, ident, spec, chunks, units, Hq, Hkv, d, cfg,
+                 load_kv):
+    """Every unit of one (sequence b, KV head) this program runs, chunk by resident KV chunk.
+
+    ``q``, ``out``, ``lse``, ``hbm_state`` are indexed ``[b, h, rows, ...]`` (views of a ragged
+    layout work as well); ``load_kv(c0, c1)`` issues the loads of keys ``[c0, c1)`` and returns
+    ``(K^T [128, DT, C], V_aug [128, C/128, d+1])`` as :func:`_load_kv` lays them out."""
+    if not units:
+        return
+    hk = units[0].kv_head
+    DT = -(-d // P)
+    units = sorted(units, key=lambda u: u.q0)
+    for ci, (c0, c1) in enumerate(chunks):
+        cu = [u for u in units if u.visits[ci] is not None]
+        if not cu:
+            continue
+        ctx = _Chunk(q, out, lse, sinks, hbm_state, ident, ci, c0, spec, d, DT, cfg)
+        ctx.plan_work([(u, h) for h in gqa_heads(Hq, Hkv, hk) for u in cu])
+        ctx.kT, ctx.vs = load_kv(c0, c1)       # DMA queues are FIFO: Q^T batch 0 goes first
+        ctx.run()
+        del ctx                     # free its SBUF/PSUM before the next chunk allocates
 
 
 def _load_kv(k, v, b, hk, c0, c1, d, DT, cfg):
@@ -668,7 +684,7 @@ class _Chunk:
             if cfg.return_lse:
                 bt.lse_stage = nl.ndarray((P, len(bt.units)), dtype=nl.float32, buffer=nl.sbuf)
         lse_sb = bt.lse_stage[0:rows, un.slot:un.slot + 1] if cfg.return_lse else None
-        un.st.finalize(bt.o_stage[0:rows, un.slot, :], lse_sb)
+        un.st.finalize(bt.o_stage[0:rows, un.slot, :], lse_sb, out_scale=cfg.v_scale or None)
         un.st = None
         bt.done += 1
         if bt.done == sum(1 for x in bt.units if x.last_chunk):

@@ -207,14 +207,17 @@ class SoftmaxState:
     def denominator(self):
         return self.o[:, self.d:self.d + 1] if self.sum_in_o else self.l
 
-    def finalize(self, out_sb, lse_sb=None):
-        """``out = o / l`` (VectorE, cast to ``out_sb``'s dtype) and ``lse = xmul * m + ln l``
-        (ScalarE log). VectorE on purpose: the end of a unit waits for its last PV, and an
-        in-order ScalarE queue would stall behind it."""
+    def finalize(self, out_sb, lse_sb=None, out_scale=None):
+        """``out = o / l`` (VectorE, cast to ``out_sb``'s dtype; times ``out_scale``, a float,
+        when given: an FP8 V's dequantization scale) and ``lse = xmul * m + ln l`` (ScalarE
+        log). VectorE on purpose: the end of a unit waits for its last PV, and an in-order
+        ScalarE queue would stall behind it."""
         den = self.denominator()
         recip = nl.ndarray((self.rows, 1), dtype=nl.float32, buffer=nl.sbuf)           # [rows, 1]
         nisa.reciprocal(dst=recip, data=den)
-        nisa.tensor_scalar(dst=out_sb, data=self.o[:, 0:self.d], op0=nl.multiply, operand0=recip)
+        extra = {} if out_scale is None else dict(op1=nl.multiply, operand1=float(out_scale))
+        nisa.tensor_scalar(dst=out_sb, data=self.o[:, 0:self.d], op0=nl.multiply, operand0=recip,
+                           **extra)
         if lse_sb is not None:
             lnl = nl.ndarray((self.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=lnl, op=nl.log, data=den)

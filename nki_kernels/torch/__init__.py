@@ -138,6 +138,22 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
     return _ops.decode_attention_lse(*args) if return_lse else _ops.decode_attention(*args)
 
 
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, *, scale=None,
+                    window=None, softcap=None, sinks=None, k_scale=None, v_scale=None,
+                    return_lse=False, lnc=1):
+    """Paged attention of a ragged serving batch: q [T, H_q, d], caches [num_blocks,
+    block_size, H_kv, d], block_table [R, max_blocks], seq_lens [R], query_start_loc [R + 1]
+    (host ints). Returns o [T, H_q, d] (and lse [T, H_q]). The plan of a step is made once
+    and reused while seq_lens / query_start_loc stay the same (the layers of one step)."""
+    seq_lens, query_start_loc = torch.as_tensor(seq_lens), torch.as_tensor(query_start_loc)
+    block_table = torch.as_tensor(block_table)
+    k_scale, v_scale = (None if s is None else torch.as_tensor(s, dtype=torch.float32)
+                        for s in (k_scale, v_scale))
+    args = (q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, window, softcap,
+            sinks, k_scale, v_scale, lnc)
+    return _ops.paged_attention_lse(*args) if return_lse else _ops.paged_attention(*args)
+
+
 def merge_attention_states(o_a, lse_a, o_b, lse_b):
     """Merge two attention results over disjoint key sets: ``(o, lse)``."""
     return _ops.merge_attention_states(o_a, lse_a, o_b, lse_b)
@@ -176,6 +192,6 @@ def __getattr__(name):
 __all__ = ["OPS", "OpDef", "register", "implementation", "current_implementation", "IMPL_ENV",
            "NeuronUnavailable", "matmul", "flash_attention", "qkv_proj", "swiglu_mlp",
            "tile_weight", "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "QKVOutput",
-           "decode_attention", "merge_attention_states", "router_topk", "fused_moe",
+           "decode_attention", "paged_attention", "merge_attention_states", "router_topk", "fused_moe",
            "tile_expert_weights",
            "MXTensor", "apply_nki_kernels", "register_attention", "nki_attention", "PatchReport"]

@@ -31,10 +31,13 @@ import numpy as np
 import torch
 
 from .. import backend
+from .._validate import dtype_name as _array_dtype
 from ..attention.decode_attention import decode_attention as _decode_attention
 from ..attention.flash_attention import flash_attention as _flash_attention
 from ..attention.merge_attention_states import merge_attention_states as _merge_states
 from ..attention.mla_decode import mla_decode as _mla_decode
+from ..attention.paged_attention import paged_attention as _paged_attention
+from ..attention.paged_attention import plan_paged_attention as _plan_paged_attention
 from ..dense.matmul import matmul as _matmul
 from ..dense.qkv_proj import qkv_proj as _qkv_proj
 from ..dense.swiglu_mlp import swiglu_mlp as _swiglu_mlp
@@ -347,6 +350,58 @@ def _da_lse_fake(q, k_cache, v_cache, seq_lens, **kw):
     return _empty(q.shape, q.dtype, q), _empty(q.shape[:3], torch.float32, q)
 
 
+# --------------------------------------------------------------------------- paged_attention
+_PLANS: dict = {}           # the last few plans: the layers of one step share theirs
+
+
+def _pa_args(kw):
+    for n in ("block_table", "seq_lens", "query_start_loc", "k_scale", "v_scale", "sinks"):
+        kw[n] = _py(kw[n])
+    for n in ("k_scale", "v_scale"):
+        if kw[n] is not None and np.ndim(kw[n]) == 0:
+            kw[n] = float(kw[n])
+    return kw
+
+
+def _pa_kernel(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, return_lse=False,
+               **kw):
+    kw = _pa_args(dict(kw, block_table=block_table, seq_lens=seq_lens,
+                       query_start_loc=query_start_loc))
+    key = (tuple(np.asarray(kw["seq_lens"]).tolist()),
+           tuple(np.asarray(kw["query_start_loc"]).tolist()), tuple(k_cache.shape),
+           int(q.shape[1]), _array_dtype(k_cache), kw.get("window"), kw.get("lnc", 1),
+           int(backend.nisa.get_nc_version()))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan_paged_attention(kw["seq_lens"], kw["query_start_loc"], int(k_cache.shape[1]),
+                                     int(q.shape[1]), int(k_cache.shape[2]), int(q.shape[2]),
+                                     window=kw.get("window"), kv_dtype=_array_dtype(k_cache),
+                                     lnc=kw.get("lnc", 1))
+        if len(_PLANS) >= 8:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return _paged_attention(q, k_cache, v_cache, kw.pop("block_table"), kw.pop("seq_lens"),
+                            kw.pop("query_start_loc"), plan=plan, return_lse=return_lse, **kw)
+
+
+def _pa_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, return_lse=False, lnc=1,
+            **kw):
+    from ..reference.paged_attention import paged_attention_ref
+    kw = _pa_args(dict(kw, block_table=block_table, seq_lens=seq_lens,
+                       query_start_loc=query_start_loc))
+    o, lse = paged_attention_ref(q, k_cache, v_cache, kw.pop("block_table"), kw.pop("seq_lens"),
+                                 kw.pop("query_start_loc"), out_dtype=_array_dtype(q), **kw)
+    return (o, lse) if return_lse else o
+
+
+def _pa_fake(q, *args, **kw):
+    return _empty(q.shape, q.dtype, q)
+
+
+def _pa_lse_fake(q, *args, **kw):
+    return _empty(q.shape, q.dtype, q), _empty(q.shape[:2], torch.float32, q)
+
+
 def _merge_ref(o_a, lse_a, o_b, lse_b):
     from ..reference.merge_attention_states import merge_attention_states_ref
     return merge_attention_states_ref(o_a, lse_a, o_b, lse_b)
@@ -479,6 +534,14 @@ _add(OpDef("decode_attention", _DA_SIG + " -> Tensor", _da_kernel, _da_fake, _da
 _add(OpDef("decode_attention_lse", _DA_SIG + " -> (Tensor, Tensor)",
            functools.partial(_da_kernel, return_lse=True), _da_lse_fake,
            functools.partial(_da_ref, return_lse=True), numpy_like=_KV_FP8))
+_PA_SIG = ("(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+           "Tensor query_start_loc, float? scale=None, int? window=None, float? softcap=None, "
+           "Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None, int lnc=1)")
+_add(OpDef("paged_attention", _PA_SIG + " -> Tensor", _pa_kernel, _pa_fake, _pa_ref,
+           numpy_like=_KV_FP8))
+_add(OpDef("paged_attention_lse", _PA_SIG + " -> (Tensor, Tensor)",
+           functools.partial(_pa_kernel, return_lse=True), _pa_lse_fake,
+           functools.partial(_pa_ref, return_lse=True), numpy_like=_KV_FP8))
 _add(OpDef("merge_attention_states", "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) -> "
            "(Tensor, Tensor)", _merge_states, _merge_fake, _merge_ref))
 _add(OpDef("mla_decode", "(Tensor q_nope, Tensor q_rope, Tensor kv_cache, Tensor seq_lens, "
