@@ -20,10 +20,13 @@ Layouts (vLLM's unified attention contract, the kernel's):
 ``exp(sink)`` to the denominator (not scaled, not capped). A row that sees no key (and has no
 sink) gets output 0 and ``lse = -inf``. ``lse [T, H_q]`` is float32, natural log, sink included.
 
-``p_dtype="bfloat16"`` rounds the probabilities that multiply V to bf16 (the numerator; the
-denominator stays the sum of the unrounded exponentials), as ``reference.decode_attention`` does:
-the same-precision reference of the attention accuracy rule. ``compute_dtype=np.float64`` gives the
-exact baseline.
+``p_dtype="bfloat16"`` rounds the probabilities to bf16 before ``P @ V`` and sums the rounded ones
+for the denominator (the sink term stays unrounded), as ``reference.flash_attention`` does: the
+same-precision reference of the attention accuracy rule. A serving step's chunk rows run the
+prefill tiles, whose row sum is the rounded probabilities' (a ones column beside V), so lse
+carries that rounding (up to ~2^-9); the decode reference's convention (unrounded denominator)
+would hold the whole batch's lse to fp32 rounding. ``compute_dtype=np.float64`` gives the exact
+baseline.
 """
 from __future__ import annotations
 
@@ -102,10 +105,10 @@ def paged_attention_ref(q, k_cache, v_cache, block_table, seq_lens, query_start_
                 m = np.maximum(m, sk[:, None, None])
             m0 = np.where(np.isfinite(m), m, 0)
             e = np.exp(s - m0)
-            den = e.sum(axis=2, keepdims=True)
+            p = e.astype(_OUT[p_dtype]).astype(ct) if p_dtype else e
+            den = p.sum(axis=2, keepdims=True)
             if sk is not None:
                 den = den + np.exp(sk[:, None, None] - m0)
-            p = e.astype(_OUT[p_dtype]).astype(ct) if p_dtype else e
             num = np.einsum("hqk,hkd->qhd", p, v)                   # [rows, Hq, d]
             den = den[..., 0].T                                     # [rows, Hq]
             m0 = m0[..., 0].T

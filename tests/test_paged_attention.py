@@ -18,7 +18,7 @@ same rule; NaN / inf positions must match (a NaN read from a page the request do
 import ml_dtypes
 import numpy as np
 import pytest
-from paged_batches import build, random_batch
+from paged_batches import BF16, build, random_batch
 
 from nki_kernels.reference.compare import assert_attention_close
 from nki_kernels.reference.decode_attention import (
@@ -157,6 +157,89 @@ def test_random_mixed_batches(tgt, seed):
     Hq, Hkv, d = [(4, 1, 64), (8, 2, 128), (4, 4, 64), (8, 1, 128), (2, 1, 64), (16, 2, 64)][seed]
     b = random_batch(rng, Hq=Hq, Hkv=Hkv, d=d, junk=["mixed", "oob", "nan"][seed % 3])
     _run(b)
+
+
+@kernel
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_with_options(tgt, seed):
+    """Random batches with a random mix of window, soft-cap, sinks, scale and an FP8 cache."""
+    rng = np.random.default_rng(200 + seed)
+    Hkv = int(rng.choice([1, 2]))
+    Hq = Hkv * int(rng.choice([1, 4, 8]))
+    fp8 = bool(rng.random() < 0.5)
+    b = random_batch(rng, Hq=Hq, Hkv=Hkv, d=int(rng.choice([64, 128])), max_chunk=150,
+                     max_prefix=300, kv_dtype=FP8[tgt] if fp8 else BF16)
+    kw = {}
+    if rng.random() < 0.5:
+        kw["window"] = int(rng.integers(1, 200))
+    if rng.random() < 0.5:
+        kw["softcap"] = float(rng.uniform(5, 30))
+    if rng.random() < 0.5:
+        kw["sinks"] = rng.uniform(-2, 3, Hq).astype(np.float32)
+    if rng.random() < 0.3:
+        kw["scale"] = float(rng.uniform(0.05, 0.2))
+    if fp8:
+        kw["k_scale"] = rng.uniform(0.5, 2, Hkv) if rng.random() < 0.5 else 0.7
+        kw["v_scale"] = float(rng.uniform(0.5, 2))
+    _run(b, **kw)
+
+
+@kernel
+def test_every_draft_length_and_a_chunk(tgt):
+    """q_len 1..8 (each a decode class of its own) and a 9-row chunk in one step, block 16."""
+    rng = np.random.default_rng(21)
+    q_lens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    b = build(rng, q_lens, [n + 37 * n for n in q_lens], 8, 2, 64, 16)
+    _run(b, window=50)
+
+
+@kernel
+def test_decode_path_row_limit(tgt):
+    """G = 32 query heads per KV head: q_len 4 fills 128 rows (decode path), q_len 5 and 8 do not
+    (chunk path), next to a decode and a 9-row chunk."""
+    rng = np.random.default_rng(22)
+    b = build(rng, [4, 5, 1, 8, 9], [90, 200, 33, 8, 300], 32, 1, 64, 32)
+    _run(b, sinks=np.linspace(-1, 1, 32).astype(np.float32))
+
+
+@kernel
+def test_chunk_over_more_keys_than_sbuf_holds(tgt):
+    """d = 256, FP8 pages: 9000 keys exceed the keys one pass keeps resident on Trn3 (4096)."""
+    rng = np.random.default_rng(23)
+    b = build(rng, [40, 1], [9000, 700], 2, 1, 256, 64, kv_dtype=FP8[tgt])
+    _run(b, k_scale=0.5, v_scale=0.25)
+
+
+@kernel
+def test_lnc2(tgt):
+    rng = np.random.default_rng(24)
+    b = build(rng, [1, 1, 130, 3], [2000, 5, 400, 90], 8, 2, 64, 32)
+    sinks = np.array([0.0, 1.0, -2.0, 0.5] * 2, np.float32)
+    o2, l2 = _run(b, lnc=2, sinks=sinks)
+    o1, l1 = _run(b, lnc=1, sinks=sinks)
+    np.testing.assert_allclose(_f(o2), _f(o1), atol=2e-2, rtol=0)
+
+
+@kernel
+def test_decode_attention_takes_the_plan(tgt):
+    """decode_attention(plan=) with the step's plan of a decode batch equals the plan-free call;
+    a plan holding a chunk, or of other lengths, is refused."""
+    from nki_kernels import decode_attention
+    rng = np.random.default_rng(25)
+    s_q, lens = 2, [2, 77, 300]
+    b = build(rng, [s_q] * 3, lens, 8, 2, 64, 16)
+    q4 = b.q.reshape(3, s_q, 8, 64)
+    plan = plan_paged_attention(b.seq_lens, b.query_start_loc, 16, 8, 2, 64)
+    kw = dict(block_table=b.block_table, return_lse=True)
+    o1, l1 = decode_attention(q4, b.k_cache, b.v_cache, b.seq_lens, plan=plan, **kw)
+    o0, l0 = decode_attention(q4, b.k_cache, b.v_cache, b.seq_lens, **kw)
+    np.testing.assert_array_equal(_f(o1), _f(o0))
+    np.testing.assert_array_equal(l1, l0)
+    mixed = plan_paged_attention([2, 77, 300], [0, 2, 4, 40], 16, 8, 2, 64)
+    other = plan_paged_attention([2, 78, 300], [0, 2, 4, 6], 16, 8, 2, 64)
+    for bad in (mixed, other):
+        with pytest.raises(ValueError, match=r"decode_attention.*plan"):
+            decode_attention(q4, b.k_cache, b.v_cache, b.seq_lens, plan=bad, **kw)
 
 
 @kernel
@@ -378,8 +461,9 @@ def _call(b, **over):
                          ids=["decreasing", "short", "long", "first-not-0", "last<T", "last>T"])
 def test_bad_query_start_loc(tgt, qsl):
     b = _bad()
+    lens = np.array([40, 32])            # every q_len <= seq_len, within the table's pages
     with pytest.raises(ValueError, match=rf"{OP}.*query_start_loc"):
-        _call(b, query_start_loc=np.array(qsl))
+        _call(b, query_start_loc=np.array(qsl), seq_lens=lens)
 
 
 @kernel
@@ -399,9 +483,9 @@ def test_bad_seq_lens_length(tgt):
 @kernel
 def test_block_table_too_small(tgt):
     b = _bad()
-    with pytest.raises(ValueError, match=rf"{OP}.*block_table"):
+    with pytest.raises(ValueError, match=rf"{OP}.*block.table"):
         _call(b, block_table=b.block_table[:, :2])          # request 0 needs 3 pages of 16
-    with pytest.raises(ValueError, match=rf"{OP}.*block_table"):
+    with pytest.raises(ValueError, match=rf"{OP}.*block.table"):
         _call(b, block_table=b.block_table[:1])              # one row for two requests
 
 
@@ -435,7 +519,7 @@ def test_bad_shapes(tgt):
     b = _bad()
     with pytest.raises(ValueError, match=rf"{OP}.*q"):
         _call(b, q=b.q[None])
-    with pytest.raises(ValueError, match=rf"{OP}.*k_cache"):
+    with pytest.raises(ValueError, match=rf"{OP}.*(k_cache|cache's head_dim)"):
         _call(b, k_cache=b.k_cache[..., :32], v_cache=b.v_cache[..., :32])
     two = dict(k_cache=np.concatenate([b.k_cache] * 2, axis=2),
                v_cache=np.concatenate([b.v_cache] * 2, axis=2))
@@ -443,6 +527,33 @@ def test_bad_shapes(tgt):
         _call(b, q=b.q[:, :3], **two)                        # H_q = 3 over H_kv = 2
     with pytest.raises(ValueError, match=rf"{OP}.*sinks"):
         _call(b, sinks=np.zeros(3, np.float32))
+
+
+@kernel
+def test_bad_options_and_geometry(tgt):
+    b = _bad()
+    with pytest.raises(ValueError, match=rf"{OP}.*(T = 0|no tokens)"):
+        _call(b, q=b.q[:0], query_start_loc=np.array([0, 0, 0]))
+    with pytest.raises(ValueError, match=rf"{OP}.*window"):
+        _call(b, window=0)
+    with pytest.raises(ValueError, match=rf"{OP}.*lnc"):
+        _call(b, lnc=3)
+    with pytest.raises(ValueError, match=rf"{OP}.*head_dim"):
+        _call(b, q=b.q[..., :48], k_cache=b.k_cache[..., :48], v_cache=b.v_cache[..., :48])
+    with pytest.raises(ValueError, match=rf"{OP}.*block_size"):
+        _call(b, k_cache=b.k_cache[:, :12], v_cache=b.v_cache[:, :12])
+    with pytest.raises(TypeError, match=rf"{OP}.*plan"):
+        _call(b, plan={"seq_lens": (40, 30)})
+
+
+@kernel
+@pytest.mark.parametrize("change", ["kv_dtype", "lnc"])
+def test_plan_of_other_options_refused(tgt, change):
+    b = _bad()
+    kw = {"kv_dtype": FP8[tgt].__name__} if change == "kv_dtype" else {"lnc": 2}
+    plan = plan_paged_attention(b.seq_lens, b.query_start_loc, 16, 4, 1, 64, **kw)
+    with pytest.raises(ValueError, match=rf"{OP}.*plan"):
+        _call(b, plan=plan)
 
 
 # ------------------------------------------------------------------------------------ slow
