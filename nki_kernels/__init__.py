@@ -6,6 +6,7 @@ instance), validates its arguments, picks its kernel variant, and runs it on the
 """
 from .attention.decode_attention import decode_attention
 from .attention.flash_attention import flash_attention
+from .attention.kv_cache_append import kv_cache_append
 from .attention.merge_attention_states import merge_attention_states
 from .attention.mla_decode import mla_decode
 from .attention.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
@@ -22,4 +23,4 @@ __all__ = ["matmul", "flash_attention", "qkv_proj", "QKVOutput", "swiglu_mlp", "
            "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "MXTensor",
            "router_topk", "fused_moe", "tile_expert_weights",
            "decode_attention", "merge_attention_states", "mla_decode",
-           "paged_attention", "plan_paged_attention", "PagedAttentionPlan"]
+           "paged_attention", "plan_paged_attention", "PagedAttentionPlan", "kv_cache_append"]

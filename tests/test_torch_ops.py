@@ -127,7 +127,10 @@ def test_every_public_op_is_registered():
     for name in set(nki_kernels.__all__) - helpers:
         assert hasattr(torch.ops.nki_kernels, name), name
         assert name in nko.OPS
-    assert set(CASES) == set(nko.OPS), "a registered op has no test case"
+    # ops that write their arguments in place (kv_cache_append) return nothing: their torch
+    # tests (eager, compiled) live in their own test files
+    in_place = {n for n, o in nko.OPS.items() if o.mutates}
+    assert set(CASES) == set(nko.OPS) - in_place, "a registered op has no test case"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -154,6 +154,17 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     return _ops.paged_attention_lse(*args) if return_lse else _ops.paged_attention(*args)
 
 
+def kv_cache_append(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None):
+    """Write the new tokens' K/V (k, v [T, H_kv, d]) into their slots of the paged caches
+    [num_blocks, block_size, H_kv, d] in place (slot_mapping [T], -1 skips a token; FP8 caches
+    with k_scale / v_scale). Returns (k_cache, v_cache), the same tensors."""
+    slot_mapping = torch.as_tensor(slot_mapping)
+    k_scale, v_scale = (None if s is None else torch.as_tensor(s, dtype=torch.float32)
+                        for s in (k_scale, v_scale))
+    _ops.kv_cache_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return k_cache, v_cache
+
+
 def merge_attention_states(o_a, lse_a, o_b, lse_b):
     """Merge two attention results over disjoint key sets: ``(o, lse)``."""
     return _ops.merge_attention_states(o_a, lse_a, o_b, lse_b)
@@ -193,5 +204,5 @@ __all__ = ["OPS", "OpDef", "register", "implementation", "current_implementation
            "NeuronUnavailable", "matmul", "flash_attention", "qkv_proj", "swiglu_mlp",
            "tile_weight", "rmsnorm_quant", "mxfp8_matmul", "quantize_weights_mx", "QKVOutput",
            "decode_attention", "paged_attention", "merge_attention_states", "router_topk", "fused_moe",
-           "tile_expert_weights",
+           "tile_expert_weights", "kv_cache_append",
            "MXTensor", "apply_nki_kernels", "register_attention", "nki_attention", "PatchReport"]

@@ -34,6 +34,7 @@ from .. import backend
 from .._validate import dtype_name as _array_dtype
 from ..attention.decode_attention import decode_attention as _decode_attention
 from ..attention.flash_attention import flash_attention as _flash_attention
+from ..attention.kv_cache_append import kv_cache_append as _kv_cache_append
 from ..attention.merge_attention_states import merge_attention_states as _merge_states
 from ..attention.mla_decode import mla_decode as _mla_decode
 from ..attention.paged_attention import paged_attention as _paged_attention
@@ -402,6 +403,34 @@ def _pa_lse_fake(q, *args, **kw):
     return _empty(q.shape, q.dtype, q), _empty(q.shape[:2], torch.float32, q)
 
 
+# --------------------------------------------------------------------------- kv_cache_append
+def _kva_args(kw):
+    kw["slot_mapping"] = _py(kw["slot_mapping"])
+    for n in ("k_scale", "v_scale"):
+        kw[n] = _py(kw[n])
+        if kw[n] is not None and np.ndim(kw[n]) == 0:
+            kw[n] = float(kw[n])
+    return kw
+
+
+def _kva_kernel(k, v, k_cache, v_cache, slot_mapping, **kw):
+    """Writes k_cache / v_cache in place (CPU: NumPy views of the tensors' memory)."""
+    kw = _kva_args(dict(kw, slot_mapping=slot_mapping))
+    _kv_cache_append(k, v, k_cache, v_cache, kw.pop("slot_mapping"), **kw)
+
+
+def _kva_ref(k, v, k_cache, v_cache, slot_mapping, **kw):
+    from ..reference.kv_cache_append import kv_cache_append_ref
+    kw = _kva_args(dict(kw, slot_mapping=slot_mapping))
+    nk, nv = kv_cache_append_ref(k, v, k_cache, v_cache, kw.pop("slot_mapping"), **kw)
+    np.copyto(k_cache, nk)
+    np.copyto(v_cache, nv)
+
+
+def _kva_fake(k, v, k_cache, v_cache, slot_mapping, **kw):
+    return None
+
+
 def _merge_ref(o_a, lse_a, o_b, lse_b):
     from ..reference.merge_attention_states import merge_attention_states_ref
     return merge_attention_states_ref(o_a, lse_a, o_b, lse_b)
@@ -542,6 +571,9 @@ _add(OpDef("paged_attention", _PA_SIG + " -> Tensor", _pa_kernel, _pa_fake, _pa_
 _add(OpDef("paged_attention_lse", _PA_SIG + " -> (Tensor, Tensor)",
            functools.partial(_pa_kernel, return_lse=True), _pa_lse_fake,
            functools.partial(_pa_ref, return_lse=True), numpy_like=_KV_FP8))
+_add(OpDef("kv_cache_append", "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+           "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
+           _kva_kernel, _kva_fake, _kva_ref, mutates=("k_cache", "v_cache"), numpy_like=_KV_FP8))
 _add(OpDef("merge_attention_states", "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) -> "
            "(Tensor, Tensor)", _merge_states, _merge_fake, _merge_ref))
 _add(OpDef("mla_decode", "(Tensor q_nope, Tensor q_rope, Tensor kv_cache, Tensor seq_lens, "

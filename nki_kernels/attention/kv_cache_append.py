@@ -1,0 +1,274 @@
+"""Append the new tokens' K/V to a paged (vLLM) KV cache, in place: ``cache[slot[t]] = kv[t]``.
+
+``kv_cache_append(k, v, k_cache, v_cache, slot_mapping, k_scale=, v_scale=)`` writes token ``t``'s
+row (all its KV heads, ``H_kv * d`` contiguous elements of the cache) to slot
+``slot_mapping[t] = block * block_size + offset``; ``-1`` skips the token (vLLM's padding). Nothing
+else in the caches changes. An FP8 cache stores ``fp8(clamp(x / scale, -max, max))`` per KV head.
+
+Layout on chip: token ``t = p * nt + j`` sits on partition ``p``, column ``j`` (``nt = ceil(T /
+128)`` tokens per partition), so the slot table arrives in one DMA as ``[128, nt]`` (one run per
+partition). Column ``j`` (up to 128 tokens, one per partition) is loaded, quantised if the cache is
+FP8, and written by one indirect DMA per cache: a scatter through ``vector_offset`` (software
+DGE) in which partition ``p``'s row goes to cache row ``slot[p * nt + j]``, one descriptor of
+``H_kv * d * itemsize`` bytes per token.
+
+What bounds it (modeled): two scatters into the same cache are ordered (an indirect write may
+touch any row, so the compiler cannot prove them disjoint: a write-after-write edge), so each
+cache's scatters form a chain whose links cost the GpSimd descriptor generation, the DMA latency
+and the transfer. The K and V chains run side by side; the loads run ahead of them, NBUF columns
+deep.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._validate import check_no_grad, check_target, dtype_name, host_ints, is_torch, kv_scales
+from ..backend import launch, nisa, nki, nl
+
+P = 128
+# Load buffers per cache (columns loaded ahead of the scatters). The load of column j + NBUF waits
+# for column j's scatter (the buffer is reused), so loads are issued between the scatters instead
+# of all at the start, where they would fill the DMA queues ahead of the first scatter (FIFO).
+# Llama-3-8B T = 2048 bf16, Trn3 modeled: NBUF 2 -> 43.2 us, 3 -> 44.8 us, a fresh buffer per
+# column (all loads first) -> 50.7 us; loading 2 or 4 columns per DMA: 53.6 / 68.7 us.
+NBUF = 2
+MAX_ROW = 4096         # H_kv * d elements per token: SBUF of a column (bf16 in, fp32, fp8 out)
+MAX_TOKENS = 65536     # tokens per call (slot table [128, nt] uint32 on chip: <= 2 KiB/partition)
+_KV_DTYPES = ("bfloat16", "float16")
+_FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}          # the cache FP8 of Trn2 / Trn3
+_FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0}
+
+
+@dataclass(frozen=True)
+class AppendPlan(nl.NKIObject):
+    """Compile-time geometry of one append.
+
+    T tokens, nt tokens per partition (token ``p * nt + j`` on partition p, column j); fp8_max:
+    the FP8 cache's clamp bound (0.0: the cache has k's dtype, no quantisation); per_head: one
+    scale per KV head (else one for all heads).
+    """
+    T: int
+    nt: int
+    fp8_max: float
+    per_head: bool
+
+
+def plan_append(T: int, fp8_max: float = 0.0, per_head: bool = False) -> AppendPlan:
+    return AppendPlan(T=T, nt=max(1, -(-T // P)), fp8_max=float(fp8_max),
+                      per_head=bool(per_head))
+
+
+@nki.jit
+def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, inv_scales, plan):
+    """``k_cache[slot[t]] = q(k[t])``, ``v_cache[slot[t]] = q(v[t])`` for every token with a slot.
+
+    Dimensions: T tokens (1..65536), H_kv heads, d head_dim, H_kv * d <= 4096; num_blocks x
+    block_size slots.
+    Args:
+      k, v: [T, H_kv, d] bf16 / fp16, HBM.
+      k_cache, v_cache: [num_blocks, block_size, H_kv, d] HBM, k's dtype or FP8 (written in place).
+      slots: [128, nt] uint32 HBM: slot of token ``p * nt + j`` at ``[p, j]``; skipped and padding
+        tokens hold 0xFFFFFFFF (uint32 max: out of bounds, so never written).
+      inv_scales: [128, 2 H_kv] fp32 HBM (FP8 only, else None): ``1 / k_scale[h]`` in column h,
+        ``1 / v_scale[h]`` in column H_kv + h, the same on every partition.
+      plan: AppendPlan.
+    Returns:
+      (k_cache, v_cache), written in place.
+    Notes:
+      bf16 / fp16 caches: the rows are copied bit for bit. FP8: ``x * (1 / scale)`` in fp32 on
+      ScalarE, clamped to +-max and rounded to FP8 (RNE) on VectorE. No other byte of the caches
+      is written: a skipped token's row transfer is dropped by the DMA (oob_mode.skip).
+    Pseudocode:
+      idx[128, nt] = slots                                       # one DMA
+      for j in 0..nt-1:                                          # column j: tokens p * nt + j
+        for x, cache in (k, k_cache), (v, v_cache):
+          x_sb[p, :] = x[p * nt + j]                             # buffer j % NBUF
+          if fp8: y = x_sb * inv[h] (ScalarE); x_sb = fp8(min(max(y, -M), M)) (VectorE)
+          cache_rows[idx[p, j]] = x_sb[p, :]                     # scatter; oob rows dropped
+    """
+    T, H, d = k.shape
+    row = H * d
+    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    nt, M = plan.nt, plan.fp8_max
+    fp8 = M > 0.0
+    full = T // nt                   # partitions holding nt tokens
+    rem = T % nt                     # tokens on partition `full` (columns 0..rem-1), if any
+    x_rows = (k.reshape((T, row)), v.reshape((T, row)))                 # [T, H*d]
+    c_rows = (k_cache.reshape((n_slots, row)), v_cache.reshape((n_slots, row)))   # [slots, H*d]
+
+    idx = nl.ndarray((P, nt), dtype=nl.uint32, buffer=nl.sbuf)           # [128, nt] slot table
+    nisa.dma_copy(dst=idx, src=slots)
+    inv = None
+    if fp8:
+        inv = nl.ndarray((P, 2 * H), dtype=nl.float32, buffer=nl.sbuf)  # [128, 2 H_kv]
+        nisa.dma_copy(dst=inv, src=inv_scales)
+    bufs = [nl.ndarray((P, NBUF, row), dtype=k.dtype, buffer=nl.sbuf)    # [128, NBUF, H*d]
+            for _ in range(2)]
+
+    for j in range(nt):
+        cnt = full + (1 if j < rem else 0)      # partitions with a token in column j
+        for w in range(2):
+            x_sb = bufs[w][:, j % NBUF, :]                                # [128, H*d]
+            if full > 0:
+                src = x_rows[w][0:full * nt, :].reshape((full, nt, row))[:, j, :]
+                nisa.dma_copy(dst=x_sb[0:full, :], src=src)
+            if j < rem:
+                t0 = full * nt + j
+                nisa.dma_copy(dst=x_sb[full:full + 1, :], src=x_rows[w][t0:t0 + 1, :])
+            out_sb = x_sb
+            if fp8:
+                # x / scale as the engines compute it: x times the fp32 reciprocal (VectorE and
+                # ScalarE have no divide). ScalarE multiplies (a pure multiply: -0 stays -0),
+                # VectorE clamps and rounds to FP8 (the cast alone does not saturate).
+                y_sb = nl.ndarray((P, row), dtype=nl.float32, buffer=nl.sbuf)     # [128, H*d]
+                heads = range(H) if plan.per_head else range(1)
+                width = d if plan.per_head else row
+                for h in heads:
+                    col = w * H + h
+                    nisa.tensor_scalar(dst=y_sb[0:cnt, h * width:(h + 1) * width],
+                                       data=x_sb[0:cnt, h * width:(h + 1) * width],
+                                       op0=nl.multiply, operand0=inv[0:cnt, col:col + 1],
+                                       engine=nisa.engine.scalar)
+                out_sb = nl.ndarray((P, row), dtype=k_cache.dtype, buffer=nl.sbuf)  # [128, H*d]
+                nisa.tensor_scalar(dst=out_sb[0:cnt, :], data=y_sb[0:cnt, :],
+                                   op0=nl.maximum, operand0=-M, op1=nl.minimum, operand1=M,
+                                   engine=nisa.engine.vector)
+            # Skipped tokens: slot 0xFFFFFFFF is out of bounds [0, n_slots), and with
+            # oob_mode.skip the DMA drops that row's transfer, leaving the cache untouched
+            # (nki-spec 6.4 / 9.2.1: oob_mode.skip "skips out-of-range rows, used e.g. for
+            # KV-cache scatter with invalid positions = uint32 max"). The host checks every slot
+            # to be -1 or in range, so no valid token is ever dropped, and no compaction pass (a
+            # prefix sum on chip, or a host copy of K/V) is needed.
+            dst = c_rows[w].ap([[row, cnt], [1, row]], offset=0,
+                               vector_offset=idx[0:cnt, j:j + 1], indirect_dim=0)
+            nisa.dma_copy(dst=dst, src=out_sb[0:cnt, :], oob_mode=nisa.oob_mode.skip)
+    return k_cache, v_cache
+
+
+# ---------------------------------------------------------------------------------------- op
+def _shape(x):
+    s = getattr(x, "shape", None)
+    return None if s is None else tuple(int(n) for n in s)
+
+
+def _slots(op, slot_mapping, T, n_slots):
+    """slot_mapping as host int64 [T]: -1 or a slot in range, no slot twice."""
+    a = host_ints(op, "slot_mapping", slot_mapping)
+    if a.shape != (T,):
+        raise ValueError(f"{op}: slot_mapping must have shape ({T},) (one slot per token of k); "
+                         f"got {list(a.shape)}")
+    a = a.astype(np.int64)
+    bad = a[(a < -1) | (a >= n_slots)]
+    if bad.size:
+        raise ValueError(f"{op}: slot_mapping values must be -1 (skip) or slots in [0, "
+                         f"{n_slots}) (num_blocks * block_size); got {bad[:4].tolist()}")
+    u, n = np.unique(a[a >= 0], return_counts=True)
+    if np.any(n > 1):
+        raise ValueError(f"{op}: slot_mapping has duplicated slots {u[n > 1][:4].tolist()}; "
+                         f"each slot may be written once per call")
+    return a
+
+
+def _inv_scales(op, name, s, H):
+    """1 / scale in fp32 per KV head [H_kv], from a positive scalar or one per KV head."""
+    if s is None:
+        raise ValueError(f"{op}: {name} is required for an FP8 cache (stored = fp8(x / "
+                         f"{name})); got None")
+    a = kv_scales(op, name, s, H).astype(np.float32)
+    with np.errstate(over="ignore", divide="ignore"):
+        inv = np.float32(1.0) / a
+    if not np.all(np.isfinite(inv)) or np.any(a <= 0):
+        raise ValueError(f"{op}: {name} must be a positive float32 whose reciprocal is finite; "
+                         f"got {np.asarray(s).tolist() if not is_torch(s) else s.tolist()}")
+    return inv
+
+
+def kv_cache_append(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None):
+    """Write the new tokens' K/V into their cache slots, in place (vLLM's reshape_and_cache).
+
+    Args:
+      k, v: [T, H_kv, d] bfloat16 / float16 (NumPy or torch), the new tokens' keys and values.
+      k_cache, v_cache: [num_blocks, block_size, H_kv, d], C-contiguous, writable; k's dtype or
+        the target's FP8 (float8_e4m3 on Trn2, float8_e4m3fn on Trn3) with k_scale / v_scale.
+      slot_mapping: [T] integers: token t goes to slot ``block * block_size + offset``; -1 skips
+        it. Slots must be distinct within a call (-1 excepted).
+      k_scale, v_scale: FP8 caches only: a positive scalar or one per KV head ([H_kv]); the
+        cache stores ``fp8(clamp(x * (1 / scale), -max, max))`` (max 240 on Trn2, 448 on Trn3),
+        the reciprocal taken in fp32.
+    Returns:
+      (k_cache, v_cache): the same objects, written in place. Rows of other slots keep every
+      byte.
+    """
+    op = "kv_cache_append"
+    gen = check_target(op)
+    check_no_grad(op, k, v)
+    for name, t, nd in (("k", k, 3), ("v", v, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+        s = _shape(t)
+        if s is None or len(s) != nd:
+            what = "[T, H_kv, d]" if nd == 3 else "[num_blocks, block_size, H_kv, d]"
+            raise ValueError(f"{op}: {name} must be a {nd}-D array {what}; got shape {s}")
+    if _shape(v) != _shape(k):
+        raise ValueError(f"{op}: k and v must have the same shape [T, H_kv, d]; got {_shape(k)} "
+                         f"and {_shape(v)}")
+    if _shape(v_cache) != _shape(k_cache):
+        raise ValueError(f"{op}: k_cache and v_cache must have the same shape; got "
+                         f"{_shape(k_cache)} and {_shape(v_cache)}")
+    T, H, d = _shape(k)
+    nb, bs, Hc, dc = _shape(k_cache)
+    if (Hc, dc) != (H, d):
+        raise ValueError(f"{op}: the caches' [H_kv, d] must equal k's ({H}, {d}); got "
+                         f"({Hc}, {dc})")
+    if min(H, d, nb, bs) < 1:
+        raise ValueError(f"{op}: H_kv, d, num_blocks and block_size must be >= 1; got k "
+                         f"{_shape(k)}, k_cache {_shape(k_cache)}")
+    if H * d > MAX_ROW:
+        raise ValueError(f"{op}: H_kv * d must be at most {MAX_ROW} elements per token; got "
+                         f"{H} * {d} = {H * d}")
+    if T > MAX_TOKENS:
+        raise ValueError(f"{op}: at most {MAX_TOKENS} tokens per call; got T = {T}")
+    kn, vn = dtype_name(k), dtype_name(v)
+    if kn not in _KV_DTYPES or vn != kn:
+        raise TypeError(f"{op}: k and v must share one dtype of {', '.join(_KV_DTYPES)}; got "
+                        f"{kn} and {vn}")
+    fp8 = _FP8[gen]
+    cn, cvn = dtype_name(k_cache), dtype_name(v_cache)
+    if cn != cvn or cn not in (kn, fp8):
+        raise TypeError(f"{op}: k_cache and v_cache must both be {kn} (k's dtype) or {fp8} (FP8 "
+                        f"on this target); got {cn} and {cvn}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not is_torch(c) and not isinstance(c, np.ndarray):
+            raise TypeError(f"{op}: {name} must be a NumPy array or a torch tensor (written in "
+                            f"place); got {type(c).__name__}")
+        flags = getattr(c, "flags", None)
+        if flags is not None and not flags.writeable:
+            raise ValueError(f"{op}: {name} is read-only; the cache is written in place")
+        contiguous = c.is_contiguous() if is_torch(c) else bool(flags.c_contiguous)
+        if not contiguous:
+            raise ValueError(f"{op}: {name} must be C-contiguous (its slots are rows of "
+                             f"H_kv * d elements written in place); got a strided view")
+    if k_cache is v_cache or (isinstance(k_cache, np.ndarray) and np.shares_memory(k_cache, v_cache)):
+        raise ValueError(f"{op}: k_cache and v_cache must be distinct arrays")
+    is_fp8 = cn == fp8
+    if not is_fp8 and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"{op}: k_scale / v_scale apply to FP8 caches only; the cache is {cn}")
+    slots = _slots(op, slot_mapping, T, nb * bs)
+    inv = None
+    per_head = False
+    if is_fp8:
+        ik = _inv_scales(op, "k_scale", k_scale, H)
+        iv = _inv_scales(op, "v_scale", v_scale, H)
+        per_head = bool(np.any(ik != ik[0]) or np.any(iv != iv[0]))
+        inv = np.ascontiguousarray(np.broadcast_to(np.concatenate([ik, iv])[None, :], (P, 2 * H)))
+    if T == 0 or not np.any(slots >= 0):
+        return k_cache, v_cache                    # nothing to write
+    plan = plan_append(T, _FP8_MAX[fp8] if is_fp8 else 0.0, per_head)
+    tab = np.full(P * plan.nt, -1, dtype=np.int64)
+    tab[:T] = slots
+    tab = np.ascontiguousarray(tab.astype(np.int32).view(np.uint32).reshape(P, plan.nt))
+    launch(kv_cache_append_kernel, k, v, k_cache, v_cache, tab, inv, plan)
+    return k_cache, v_cache
+
+
+__all__ = ["kv_cache_append", "kv_cache_append_kernel", "AppendPlan", "plan_append"]
