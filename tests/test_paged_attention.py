@@ -556,6 +556,25 @@ def test_plan_of_other_options_refused(tgt, change):
         _call(b, plan=plan)
 
 
+def _bench_rows():
+    from nki_kernels.reference.shapes import PAGED_FAST, PAGED_MODELS
+    return [pytest.param(x, id=x.name, marks=() if x in PAGED_FAST else pytest.mark.slow)
+            for x in PAGED_FAST + PAGED_MODELS]
+
+
+@kernel
+@pytest.mark.parametrize("shape", _bench_rows())
+def test_bench_rows(tgt, shape):
+    """The bench's cases (reference/shapes.py PAGED_*), run and checked as ``bench --check``
+    does; the bench's compulsory FLOPs / bytes are the reference's."""
+    from nki_kernels.bench.defs.paged_attention import paged_case
+    c = paged_case(shape, tgt)
+    qsl = np.concatenate([[0], np.cumsum(shape.q_lens)])
+    assert c.flops == flops_paged_attention(shape.seq_lens, qsl, shape.n_q_heads, shape.head_dim)
+    inputs = c.make_inputs(np.random.default_rng(0))
+    c.check(inputs, c.run(*inputs))
+
+
 # ------------------------------------------------------------------------------------ slow
 
 

@@ -4,8 +4,9 @@ chunks over a paged KV cache).
 Shapes: ``reference.shapes``: ``models`` runs ``PAGED_MODELS`` (the issue's rows, all paged with
 block 64, bf16 and FP8 caches: chunked prefill of Llama-3-8B on one KV-head group, a 2K chunk over
 0 / 8K / 32K cached tokens; a mixed step of 32 decodes at 4K + one fresh 2K chunk on 4 of the 8
-KV heads, 16 query heads: one full decode row group); ``default`` runs ``PAGED_DEFAULT`` (one of
-those rows); ``fast`` / ``odd`` run ``PAGED_FAST`` (toy steps). The shape names say which slice of
+KV heads, 16 query heads: one full decode row group); ``default`` runs ``PAGED_DEFAULT`` (the
+mixed step in bf16: the serving path, both the decode and the prefill paths); ``fast`` / ``odd``
+run ``PAGED_FAST`` (toy steps). The shape names say which slice of
 the layer ran; every ratio is that of the full layer (the groups are independent).
 
 FLOPs count attended (query, key) pairs only, 4 d per pair, causal and end-aligned within each
