@@ -646,3 +646,39 @@ def tier(name: str) -> Tier:
     if key not in TIERS:
         raise ValueError(f"tier must be one of {', '.join(TIERS)}; got {name!r}")
     return TIERS[key]
+
+
+# KV-cache append bench rows (issue 16): one layer's new K/V written into a paged cache (block 64)
+# by ``kv_cache_append``: a decode step of 64 sequences (T = 64, one token each, scattered slots)
+# and a 2K prefill chunk (T = 2048, whole pages), Llama-3-8B (8 KV heads) and Llama-3-70B TP8
+# (1 KV head: 256-byte rows), bf16 and FP8 caches ("fp8" = the target's FP8).
+@dataclass(frozen=True)
+class KVAppendShape:
+    """``tokens`` new tokens of ``n_kv_heads`` x ``head_dim`` into a paged cache of
+    ``block_size``-token pages; ``prefill``: the tokens fill whole pages (one prompt chunk),
+    else one token per sequence at a random offset (a decode step)."""
+    name: str
+    tokens: int
+    n_kv_heads: int
+    head_dim: int
+    block_size: int = 64
+    kv_dtype: str = "bfloat16"
+    prefill: bool = False
+
+
+def kv_append_of(cfg: ModelConfig, tokens: int, prefill: bool, block_size: int = 64,
+                 kv_dtype: str = "bfloat16") -> KVAppendShape:
+    what = f"prefill chunk T={tokens}" if prefill else f"decode step T={tokens}"
+    fp8 = " fp8" if kv_dtype != "bfloat16" else ""
+    return KVAppendShape(f"{_slug(cfg)} {what} paged/{block_size}{fp8}", tokens, cfg.n_kv_heads,
+                         cfg.head_dim, block_size, kv_dtype, prefill)
+
+
+KV_APPEND_MODELS = tuple(kv_append_of(cfg, t, t > 64, kv_dtype=dt)
+                         for cfg in (LLAMA3_8B, LLAMA3_70B_TP8) for dt in ("bfloat16", "fp8")
+                         for t in (64, 2048))
+KV_APPEND_DEFAULT = (KV_APPEND_MODELS[1],)     # Llama-3-8B prefill chunk, bf16
+KV_APPEND_FAST = (KVAppendShape("small decode T=7 H=2 d=64 paged/16", 7, 2, 64, 16),
+                  KVAppendShape("small decode T=300 H=2 d=64 paged/16", 300, 2, 64, 16),
+                  KVAppendShape("small chunk T=300 H=2 d=64 paged/16 fp8", 300, 2, 64, 16, "fp8",
+                                prefill=True))
