@@ -35,7 +35,7 @@ P = 128
 # column (all loads first) -> 50.7 us; loading 2 or 4 columns per DMA: 53.6 / 68.7 us.
 NBUF = 2
 MAX_ROW = 4096         # H_kv * d elements per token: SBUF of a column (bf16 in, fp32, fp8 out)
-MAX_TOKENS = 65536     # tokens per call (slot table [128, nt] uint32 on chip: <= 2 KiB/partition)
+MAX_TOKENS = 65536     # tokens per call (slot table [128, nt] int32 on chip: <= 2 KiB/partition)
 _KV_DTYPES = ("bfloat16", "float16")
 _FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}          # the cache FP8 of Trn2 / Trn3
 _FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0}
@@ -69,8 +69,8 @@ def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, inv_scales, plan):
     Args:
       k, v: [T, H_kv, d] bf16 / fp16, HBM.
       k_cache, v_cache: [num_blocks, block_size, H_kv, d] HBM, k's dtype or FP8 (written in place).
-      slots: [128, nt] uint32 HBM: slot of token ``p * nt + j`` at ``[p, j]``; skipped and padding
-        tokens hold 0xFFFFFFFF (uint32 max: out of bounds, so never written).
+      slots: [128, nt] int32 HBM: slot of token ``p * nt + j`` at ``[p, j]``; skipped and padding
+        tokens hold -1 (bits 0xFFFFFFFF: out of bounds, so never written).
       inv_scales: [128, 2 H_kv] fp32 HBM (FP8 only, else None): ``1 / k_scale[h]`` in column h,
         ``1 / v_scale[h]`` in column H_kv + h, the same on every partition.
       plan: AppendPlan.
@@ -98,19 +98,18 @@ def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, inv_scales, plan):
     x_rows = (k.reshape((T, row)), v.reshape((T, row)))                 # [T, H*d]
     c_rows = (k_cache.reshape((n_slots, row)), v_cache.reshape((n_slots, row)))   # [slots, H*d]
 
-    idx = nl.ndarray((P, nt), dtype=nl.uint32, buffer=nl.sbuf)           # [128, nt] slot table
+    idx = nl.ndarray((P, nt), dtype=nl.int32, buffer=nl.sbuf)            # [128, nt] slot table
     nisa.dma_copy(dst=idx, src=slots)
     inv = None
     if fp8:
         inv = nl.ndarray((P, 2 * H), dtype=nl.float32, buffer=nl.sbuf)  # [128, 2 H_kv]
         nisa.dma_copy(dst=inv, src=inv_scales)
-    bufs = [nl.ndarray((P, NBUF, row), dtype=k.dtype, buffer=nl.sbuf)    # [128, NBUF, H*d]
-            for _ in range(2)]
+    bufs = nl.ndarray((P, 2, NBUF, row), dtype=k.dtype, buffer=nl.sbuf)  # [128, K|V, NBUF, H*d]
 
     for j in range(nt):
         cnt = full + (1 if j < rem else 0)      # partitions with a token in column j
         for w in range(2):
-            x_sb = bufs[w][:, j % NBUF, :]                                # [128, H*d]
+            x_sb = bufs[:, w, j % NBUF, :]                                # [128, H*d]
             if full > 0:
                 src = x_rows[w][0:full * nt, :].reshape((full, nt, row))[:, j, :]
                 nisa.dma_copy(dst=x_sb[0:full, :], src=src)
@@ -135,12 +134,13 @@ def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, inv_scales, plan):
                 nisa.tensor_scalar(dst=out_sb[0:cnt, :], data=y_sb[0:cnt, :],
                                    op0=nl.maximum, operand0=-M, op1=nl.minimum, operand1=M,
                                    engine=nisa.engine.vector)
-            # Skipped tokens: slot 0xFFFFFFFF is out of bounds [0, n_slots), and with
-            # oob_mode.skip the DMA drops that row's transfer, leaving the cache untouched
-            # (nki-spec 6.4 / 9.2.1: oob_mode.skip "skips out-of-range rows, used e.g. for
-            # KV-cache scatter with invalid positions = uint32 max"). The host checks every slot
-            # to be -1 or in range, so no valid token is ever dropped, and no compaction pass (a
-            # prefix sum on chip, or a host copy of K/V) is needed.
+            # Skipped tokens: slot -1 (bits 0xFFFFFFFF, uint32 max) is out of bounds [0,
+            # n_slots), and with oob_mode.skip the DMA drops that row's transfer, leaving the
+            # cache untouched (nki-spec 6.4 / 9.2.1: oob_mode.skip "skips out-of-range rows, used
+            # e.g. for KV-cache scatter with invalid positions = uint32 max"; NKI Library's MoE
+            # kernels skip tokens with an int32 index of -1 the same way). The host checks every
+            # slot to be -1 or in range, so no valid token is ever dropped, and no compaction
+            # pass (a prefix sum on chip, or a host copy of K/V) is needed.
             dst = c_rows[w].ap([[row, cnt], [1, row]], offset=0,
                                vector_offset=idx[0:cnt, j:j + 1], indirect_dim=0)
             nisa.dma_copy(dst=dst, src=out_sb[0:cnt, :], oob_mode=nisa.oob_mode.skip)
@@ -266,7 +266,7 @@ def kv_cache_append(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_sca
     plan = plan_append(T, _FP8_MAX[fp8] if is_fp8 else 0.0, per_head)
     tab = np.full(P * plan.nt, -1, dtype=np.int64)
     tab[:T] = slots
-    tab = np.ascontiguousarray(tab.astype(np.int32).view(np.uint32).reshape(P, plan.nt))
+    tab = np.ascontiguousarray(tab.astype(np.int32).reshape(P, plan.nt))
     launch(kv_cache_append_kernel, k, v, k_cache, v_cache, tab, inv, plan)
     return k_cache, v_cache
 
