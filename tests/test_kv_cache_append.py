@@ -136,12 +136,16 @@ def test_bytes_and_flops():
 
 
 # ------------------------------------------------------------------------------------ torch
-@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+# torch has no float8_e4m3 (Trn2's FP8): that case is test_torch_op_trn2_fp8_as_uint8
+@pytest.mark.parametrize("tgt, kind", [("trn2", "bf16"), ("trn3", "bf16"), ("trn3", "fp8")])
 def test_torch_inputs_match_numpy(tgt, kind):
     torch = pytest.importorskip("torch")
     from nki_kernels.torch._convert import to_numpy
-    if kind == "fp8" and tgt == "trn2":
-        pytest.skip("torch has no float8_e4m3 (Trn2's FP8): see test_torch_op_trn2_fp8_as_uint8")
+    with target(tgt):
+        _torch_inputs_match_numpy(torch, to_numpy, tgt, kind)
+
+
+def _torch_inputs_match_numpy(torch, to_numpy, tgt, kind):
     rng = np.random.default_rng(13)
     cdt = FP8[tgt] if kind == "fp8" else BF16
     k, v, kc, vc, slots = _setup(rng, 150, 4, 64, 32, cdt)
