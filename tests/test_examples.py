@@ -17,3 +17,13 @@ def test_torch_linear_example_runs_and_matches():
     assert "same result True" in out.stdout
     err = float(out.stdout.split("max relative error vs fp32 ")[1].split()[0])
     assert err < 2e-2                                    # bf16 output rounding
+
+
+def test_serve_step_example_runs_and_matches():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "serve_step.py")], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "chunks: 96 over 64, 130 over 0" in out.stdout
+    assert out.stdout.count("o (230, 8, 64) bfloat16") == 2
+    err = float(out.stdout.split("max error over 2 layers ")[1].split()[0])
+    assert err < 2e-2                                    # one bf16 rounding of outputs near 1
