@@ -4,7 +4,7 @@ A batch mixes idle requests (pages in the cache, no query row this step), empty 
 no rows), decodes (1 row), speculative drafts (2-8 rows) and prompt chunks (up to a few hundred
 rows) over cached prefixes. The cache is adversarial: physical pages are shuffled, every slot no
 request owns is NaN (free pages and the tail of each request's last page), and each block-table
-row holds junk past the entries its request uses (an out-of-range page id, or a NaN page).
+row holds junk past the entries its request uses (an out-of-range page id, -1, or a NaN page).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def page(rng, dense, bs, spare=3, junk="mixed"):
     """Write per-request ``dense [L_r, H, d]`` arrays into a shuffled paged cache
     ``[num_blocks, bs, H, d]`` (NaN everywhere else, ``spare`` extra NaN pages); returns
     (cache, table). ``junk`` fills table entries past each request's pages: "oob" an out-of-range
-    page id, "nan" a NaN page's id, "mixed" both."""
+    page id, "neg" -1, "nan" a NaN page's id, "mixed" all three."""
     H, d = dense[0].shape[1:] if dense else (1, 64)
     dt = dense[0].dtype if dense else np.dtype(BF16)
     need = [-(-len(x) // bs) for x in dense]
@@ -64,8 +64,8 @@ def page(rng, dense, bs, spare=3, junk="mixed"):
     table = np.empty((len(dense), width), dtype=np.int32)
     for r in range(len(dense)):
         for n in range(width):
-            use = junk if junk != "mixed" else ("oob", "nan")[(r + n) % 2]
-            table[r, n] = nb + 7 + n if use == "oob" else free[(r + n) % len(free)]
+            use = junk if junk != "mixed" else ("oob", "nan", "neg")[(r + n) % 3]
+            table[r, n] = {"oob": nb + 7 + n, "neg": -1}.get(use, free[(r + n) % len(free)])
     i = 0
     for r, x in enumerate(dense):
         for n in range(need[r]):

@@ -155,7 +155,7 @@ def test_flops_bytes():
 def test_random_mixed_batches(tgt, seed):
     rng = np.random.default_rng(100 + seed)
     Hq, Hkv, d = [(4, 1, 64), (8, 2, 128), (4, 4, 64), (8, 1, 128), (2, 1, 64), (16, 2, 64)][seed]
-    b = random_batch(rng, Hq=Hq, Hkv=Hkv, d=d, junk=["mixed", "oob", "nan"][seed % 3])
+    b = random_batch(rng, Hq=Hq, Hkv=Hkv, d=d, junk=["mixed", "oob", "nan", "neg"][seed % 4])
     _run(b)
 
 
@@ -378,6 +378,28 @@ def test_fp16(tgt):
     rng = np.random.default_rng(15)
     b = build(rng, [1, 30], [50, 30], 4, 1, 64, 16, q_dtype=np.float16, kv_dtype=np.float16)
     _run(b)
+
+
+@kernel
+def test_views_lists_and_torch(rng):
+    """Non-contiguous q and block-table views, lengths as lists; CPU torch tensors in, torch out."""
+    torch = pytest.importorskip("torch")
+    b = build(rng, [1, 0, 50, 3], [64, 10, 128, 99], 4, 1, 64, 32)
+    (e, _), (s, _) = _ref(b)
+    wide = np.full((b.block_table.shape[0], 2 * b.block_table.shape[1]), 10 ** 6, np.int32)
+    wide[:, ::2] = b.block_table
+    qbig = np.zeros(b.q.shape[:2] + (128,), b.q.dtype)
+    qbig[..., 3:67] = b.q
+    o = paged_attention(qbig[..., 3:67], b.k_cache, b.v_cache, wide[:, ::2], list(b.seq_lens),
+                        list(b.query_start_loc))
+    assert_attention_close(o, s, e)
+
+    def t(x):
+        return torch.from_numpy(_f(x)).to(torch.bfloat16)
+    o = paged_attention(t(b.q), t(b.k_cache), t(b.v_cache), torch.from_numpy(b.block_table),
+                        torch.from_numpy(b.seq_lens), torch.from_numpy(b.query_start_loc))
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16
+    assert_attention_close(o.float().numpy(), s, e)
 
 
 @kernel
