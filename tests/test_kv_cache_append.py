@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from nki_kernels import kv_cache_append
+from nki_kernels.attention.kv_cache_append import run_length
 from nki_kernels.emulator import target
 from nki_kernels.reference.kv_cache_append import (
     bytes_kv_cache_append,
@@ -82,6 +83,54 @@ def test_against_reference(tgt, T, H, d, bs, kind):
     if kind == "fp8":
         written = kc.reshape(-1, H, d)[slots[slots >= 0]].astype(np.float32)
         assert np.all(np.isfinite(written)) and np.abs(written).max() == FP8_MAX[tgt]
+
+
+def _chunk_slots(rng, T, bs, nb, pad=0, lead=0):
+    """A prompt chunk: pages in shuffled order filled in order from offset ``lead`` of the first
+    one (the first two pages adjacent in the cache), then ``pad`` skipped tokens (vLLM padding)."""
+    n = -(-(T - pad + lead) // bs)
+    p0 = int(rng.integers(0, nb - 1))
+    rest = [int(x) for x in rng.permutation(nb) if x not in (p0, p0 + 1)]
+    pages = np.array([p0, p0 + 1] + rest, np.int64)[:n]
+    slots = (pages[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)[lead:lead + T - pad]
+    return np.concatenate([slots, -np.ones(pad, np.int64)]).astype(np.int64)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_prompt_chunk_in_runs(tgt, kind):
+    """Consecutive slots go out as runs of r rows per descriptor (r > 1 here); skipped padding
+    runs and a run crossing into the adjacent page included."""
+    rng = np.random.default_rng(31)
+    T, H, d, bs = 1024, 2, 64, 16
+    cdt = FP8[tgt] if kind == "fp8" else BF16
+    k, v, kc, vc, _ = _setup(rng, T, H, d, bs, cdt, spare=2.0)
+    slots = _chunk_slots(rng, T, bs, kc.shape[0], pad=64)
+    fp8 = kind == "fp8"
+    assert run_length(slots, H * d, 2, fp8) == (4 if fp8 else 8)
+    kw = dict(k_scale=0.02, v_scale=[0.02, 0.05]) if fp8 else {}
+    kc0, vc0 = kc.copy(), vc.copy()
+    kv_cache_append(k, v, kc, vc, slots, **kw)
+    _check(kc, vc, kc0, vc0, *kv_cache_append_ref(k, v, kc0, vc0, slots, **kw), slots)
+
+
+def test_run_length():
+    rng = np.random.default_rng(37)
+    s = _chunk_slots(rng, 2048, 64, 80)
+    assert run_length(s, 1024) == 8                   # 16 KiB of bf16 per partition
+    assert run_length(s, 128) == 16                   # at most T / 128
+    assert run_length(s, 1024, fp8=True) == 2         # FP8: <= 2048 elements, >= 2 columns
+    assert run_length(rng.permutation(4096)[:2048], 128) == 1           # scattered slots
+    odd = _chunk_slots(rng, 2048, 64, 80, lead=3)     # chunk starts at offset 3 of a page
+    assert run_length(odd, 128) == 1
+    two = _chunk_slots(rng, 2048, 64, 80, lead=2)
+    assert run_length(two, 128) == 2
+    hole = s.copy()
+    hole[4:8] = -1                                    # four skipped tokens: runs of 4 at most
+    assert run_length(hole, 128) == 4
+    hole[5] = 5000                                    # one inside a run: single tokens
+    assert run_length(hole, 128) == 1
+    assert run_length(s[:2000], 128) == 8             # r divides T
+    assert run_length(s[:64], 128) == 1               # fewer than 128 runs of 2
 
 
 def test_fp16_cache(tgt):
