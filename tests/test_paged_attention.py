@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from paged_batches import BF16, build, random_batch
 
+from nki_kernels import paged_attention, plan_paged_attention
 from nki_kernels.reference.compare import assert_attention_close
 from nki_kernels.reference.decode_attention import (
     bytes_decode_attention,
@@ -32,12 +33,6 @@ from nki_kernels.reference.paged_attention import (
     flops_paged_attention,
     paged_attention_ref,
 )
-
-try:
-    from nki_kernels import paged_attention, plan_paged_attention
-except ImportError:                      # the kernel is not committed yet: reference tests only
-    paged_attention = plan_paged_attention = None
-kernel = pytest.mark.skipif(paged_attention is None, reason="paged_attention not written yet")
 
 FP8 = {"trn2": ml_dtypes.float8_e4m3, "trn3": ml_dtypes.float8_e4m3fn}
 OP = "paged_attention"
@@ -150,7 +145,6 @@ def test_flops_bytes():
 # --------------------------------------------------------------------------- the kernel
 
 
-@kernel
 @pytest.mark.parametrize("seed", range(6))
 def test_random_mixed_batches(tgt, seed):
     rng = np.random.default_rng(100 + seed)
@@ -159,7 +153,6 @@ def test_random_mixed_batches(tgt, seed):
     _run(b)
 
 
-@kernel
 @pytest.mark.parametrize("seed", range(6))
 def test_random_batches_with_options(tgt, seed):
     """Random batches with a random mix of window, soft-cap, sinks, scale and an FP8 cache."""
@@ -184,7 +177,6 @@ def test_random_batches_with_options(tgt, seed):
     _run(b, **kw)
 
 
-@kernel
 def test_every_draft_length_and_a_chunk(tgt):
     """q_len 1..8 (each a decode class of its own) and a 9-row chunk in one step, block 16."""
     rng = np.random.default_rng(21)
@@ -193,7 +185,6 @@ def test_every_draft_length_and_a_chunk(tgt):
     _run(b, window=50)
 
 
-@kernel
 def test_decode_path_row_limit(tgt):
     """G = 32 query heads per KV head: q_len 4 fills 128 rows (decode path), q_len 5 and 8 do not
     (chunk path), next to a decode and a 9-row chunk."""
@@ -202,7 +193,6 @@ def test_decode_path_row_limit(tgt):
     _run(b, sinks=np.linspace(-1, 1, 32).astype(np.float32))
 
 
-@kernel
 def test_chunk_over_more_keys_than_sbuf_holds(tgt):
     """d = 256, FP8 pages: 9000 keys exceed the keys one pass keeps resident on Trn3 (4096)."""
     rng = np.random.default_rng(23)
@@ -210,7 +200,6 @@ def test_chunk_over_more_keys_than_sbuf_holds(tgt):
     _run(b, k_scale=0.5, v_scale=0.25)
 
 
-@kernel
 def test_lnc2(tgt):
     rng = np.random.default_rng(24)
     b = build(rng, [1, 1, 130, 3], [2000, 5, 400, 90], 8, 2, 64, 32)
@@ -220,7 +209,6 @@ def test_lnc2(tgt):
     np.testing.assert_allclose(_f(o2), _f(o1), atol=2e-2, rtol=0)
 
 
-@kernel
 def test_decode_attention_takes_the_plan(tgt):
     """decode_attention(plan=) with the step's plan of a decode batch equals the plan-free call;
     a plan holding a chunk, or of other lengths, is refused."""
@@ -242,7 +230,6 @@ def test_decode_attention_takes_the_plan(tgt):
             decode_attention(q4, b.k_cache, b.v_cache, b.seq_lens, plan=bad, **kw)
 
 
-@kernel
 def test_every_kind_in_one_batch(tgt):
     """Idle, empty, decode, drafts, a fresh chunk and a chunk over a prefix, in that order, with
     block 16 (many pages per request)."""
@@ -251,7 +238,6 @@ def test_every_kind_in_one_batch(tgt):
     _run(b)
 
 
-@kernel
 def test_single_prefill_matches_flash(tgt):
     """One request whose whole prompt is the chunk = a causal prefill: matches flash_attention
     on the same (dense) data."""
@@ -268,7 +254,6 @@ def test_single_prefill_matches_flash(tgt):
     assert_attention_close(lse.T[None], lf, el, what="paged vs flash lse")
 
 
-@kernel
 def test_decodes_match_decode_attention(tgt):
     """A batch of decodes (s_q = 1, then s_q = 3 drafts) = decode_attention on the same paged
     cache and table."""
@@ -289,7 +274,6 @@ def test_decodes_match_decode_attention(tgt):
         assert_attention_close(lse.reshape(ld.shape), ld, el, what="paged vs decode lse")
 
 
-@kernel
 @pytest.mark.parametrize("prefix", [0, 64, 200])
 def test_prefix_plus_chunk_equals_full_prefill(tgt, prefix):
     """A chunk over a cached prefix gives the last rows of the whole prompt's prefill."""
@@ -309,7 +293,6 @@ def test_prefix_plus_chunk_equals_full_prefill(tgt, prefix):
     assert_attention_close(o, of, exact.transpose(1, 0, 2), what="chunk vs full prefill")
 
 
-@kernel
 @pytest.mark.parametrize("Hq,Hkv", [(8, 1), (8, 2), (2, 2), (16, 4)])
 def test_gqa(tgt, Hq, Hkv):
     rng = np.random.default_rng(Hq * 10 + Hkv)
@@ -317,7 +300,6 @@ def test_gqa(tgt, Hq, Hkv):
     _run(b)
 
 
-@kernel
 @pytest.mark.parametrize("window", [1, 5, 64, 1000])
 def test_window(tgt, window):
     """Windows smaller than a draft group, than a chunk, than a page, and larger than the batch."""
@@ -326,14 +308,12 @@ def test_window(tgt, window):
     _run(b, window=window)
 
 
-@kernel
 def test_softcap_sinks(tgt):
     rng = np.random.default_rng(11)
     b = build(rng, [1, 4, 90], [200, 60, 290], 8, 2, 64, 64, q_scale=3.0)
     _run(b, softcap=20.0, sinks=np.linspace(-1, 3, 8).astype(np.float32))
 
 
-@kernel
 def test_sinks_dominate(tgt):
     """Sinks far above every logit: the rows' weights all but vanish (o ~ 0, lse ~ sink)."""
     rng = np.random.default_rng(12)
@@ -341,14 +321,12 @@ def test_sinks_dominate(tgt):
     _run(b, sinks=np.full(4, 30.0, np.float32))
 
 
-@kernel
 def test_huge_logits_scale(tgt):
     rng = np.random.default_rng(13)
     b = build(rng, [1, 60], [260, 130], 4, 1, 64, 16, q_scale=60.0, kv_scale=3.0)
     _run(b, scale=1.0)
 
 
-@kernel
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_head_dims(tgt, d):
     rng = np.random.default_rng(d)
@@ -356,7 +334,6 @@ def test_head_dims(tgt, d):
     _run(b)
 
 
-@kernel
 @pytest.mark.parametrize("per_head", [False, True])
 def test_fp8_cache(tgt, per_head):
     """FP8 K/V (the target's format) at the format's largest magnitude in places, per-tensor or
@@ -373,14 +350,12 @@ def test_fp8_cache(tgt, per_head):
     _run(b, k_scale=ks, v_scale=vs)
 
 
-@kernel
 def test_fp16(tgt):
     rng = np.random.default_rng(15)
     b = build(rng, [1, 30], [50, 30], 4, 1, 64, 16, q_dtype=np.float16, kv_dtype=np.float16)
     _run(b)
 
 
-@kernel
 def test_views_lists_and_torch(rng):
     """Non-contiguous q and block-table views, lengths as lists; CPU torch tensors in, torch out."""
     torch = pytest.importorskip("torch")
@@ -402,7 +377,6 @@ def test_views_lists_and_torch(rng):
     assert_attention_close(o.float().numpy(), s, e)
 
 
-@kernel
 def test_plan_reuse_across_layers(tgt):
     """One plan, two layers (different q / K / V, same lengths and pages): each layer equals its
     plan-free call and the reference."""
@@ -430,7 +404,6 @@ def _repage(b, dense):
     return c
 
 
-@kernel
 @pytest.mark.parametrize("change", ["seq_lens", "query_start_loc", "block_size", "heads",
                                     "head_dim", "window"])
 def test_mismatched_plan_refused(tgt, change):
@@ -477,7 +450,6 @@ def _call(b, **over):
                            a["query_start_loc"], **kw)
 
 
-@kernel
 @pytest.mark.parametrize("qsl", [[0, 31, 30], [0, 1], [0, 1, 30, 31], [1, 2, 31], [0, 1, 29],
                                  [0, 1, 32]],
                          ids=["decreasing", "short", "long", "first-not-0", "last<T", "last>T"])
@@ -488,21 +460,18 @@ def test_bad_query_start_loc(tgt, qsl):
         _call(b, query_start_loc=np.array(qsl), seq_lens=lens)
 
 
-@kernel
 def test_q_len_above_seq_len(tgt):
     b = _bad()
     with pytest.raises(ValueError, match=rf"{OP}.*seq_len"):
         _call(b, seq_lens=np.array([40, 29]))
 
 
-@kernel
 def test_bad_seq_lens_length(tgt):
     b = _bad()
     with pytest.raises(ValueError, match=rf"{OP}.*seq_lens"):
         _call(b, seq_lens=np.array([40, 30, 5]))
 
 
-@kernel
 def test_block_table_too_small(tgt):
     b = _bad()
     with pytest.raises(ValueError, match=rf"{OP}.*block.table"):
@@ -511,7 +480,6 @@ def test_block_table_too_small(tgt):
         _call(b, block_table=b.block_table[:1])              # one row for two requests
 
 
-@kernel
 @pytest.mark.parametrize("entry", [-1, "num_blocks"])
 def test_block_table_entry_out_of_range(tgt, entry):
     b = _bad()
@@ -521,7 +489,6 @@ def test_block_table_entry_out_of_range(tgt, entry):
         _call(b, block_table=t)
 
 
-@kernel
 def test_bad_dtypes(tgt):
     b = _bad()
     with pytest.raises(TypeError, match=rf"{OP}.*q"):
@@ -536,7 +503,6 @@ def test_bad_dtypes(tgt):
         _call(b, k_scale=0.5)                                 # a scale on a bf16 cache
 
 
-@kernel
 def test_bad_shapes(tgt):
     b = _bad()
     with pytest.raises(ValueError, match=rf"{OP}.*q"):
@@ -551,7 +517,6 @@ def test_bad_shapes(tgt):
         _call(b, sinks=np.zeros(3, np.float32))
 
 
-@kernel
 def test_bad_options_and_geometry(tgt):
     b = _bad()
     with pytest.raises(ValueError, match=rf"{OP}.*(T = 0|no tokens)"):
@@ -568,7 +533,6 @@ def test_bad_options_and_geometry(tgt):
         _call(b, plan={"seq_lens": (40, 30)})
 
 
-@kernel
 @pytest.mark.parametrize("change", ["kv_dtype", "lnc"])
 def test_plan_of_other_options_refused(tgt, change):
     b = _bad()
@@ -584,7 +548,6 @@ def _bench_rows():
             for x in PAGED_FAST + PAGED_MODELS]
 
 
-@kernel
 @pytest.mark.parametrize("shape", _bench_rows())
 def test_bench_rows(tgt, shape):
     """The bench's cases (reference/shapes.py PAGED_*), run and checked as ``bench --check``
@@ -600,7 +563,6 @@ def test_bench_rows(tgt, shape):
 # ------------------------------------------------------------------------------------ slow
 
 
-@kernel
 @pytest.mark.slow
 def test_big_mixed_batch(tgt):
     """Chunks of 1000 and 2000 over 3K / 0 prefixes among 30 decodes at 1-5K, block 128, d 128."""
@@ -610,7 +572,6 @@ def test_big_mixed_batch(tgt):
     _run(b)
 
 
-@kernel
 @pytest.mark.slow
 def test_long_prefix_window_fp8(tgt):
     rng = np.random.default_rng(20)
