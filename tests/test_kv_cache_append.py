@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nki_kernels import kv_cache_append
-from nki_kernels.attention.kv_cache_append import run_length
+from nki_kernels.attention.kv_cache_append import _clamp_bound, run_length
 from nki_kernels.emulator import target
 from nki_kernels.reference.kv_cache_append import (
     bytes_kv_cache_append,
@@ -118,7 +118,8 @@ def test_run_length():
     s = _chunk_slots(rng, 2048, 64, 80)
     assert run_length(s, 1024) == 8                   # 16 KiB of bf16 per partition
     assert run_length(s, 128) == 16                   # at most T / 128
-    assert run_length(s, 1024, fp8=True) == 2         # FP8: <= 2048 elements, >= 2 columns
+    assert run_length(s, 1024, fp8=True) == 8         # FP8: >= 2 columns
+    assert run_length(s, 128, fp8=True) == 8
     assert run_length(rng.permutation(4096)[:2048], 128) == 1           # scattered slots
     odd = _chunk_slots(rng, 2048, 64, 80, lead=3)     # chunk starts at offset 3 of a page
     assert run_length(odd, 128) == 1
@@ -139,6 +140,56 @@ def test_fp16_cache(tgt):
     kc0, vc0 = kc.copy(), vc.copy()
     kv_cache_append(k, v, kc, vc, slots)
     _check(kc, vc, kc0, vc0, *kv_cache_append_ref(k, v, kc0, vc0, slots), slots)
+
+
+def _edge_values(dt, scale, top, n):
+    """n values of dtype dt (both signs) around the saturation edge top * scale: every
+    representable value from half to twice the edge (the rest of n: random)."""
+    edge = np.array([top * scale], np.float64)
+    lo = np.array(edge / 2, dt).view(np.uint16)[0]
+    hi = np.array(edge * 2, dt).view(np.uint16)[0]
+    vals = np.arange(lo, hi + 1, dtype=np.uint16).view(dt).astype(np.float32)
+    vals = np.concatenate([vals, -vals])
+    return np.resize(vals, n).astype(dt)
+
+
+@pytest.mark.parametrize("in_dt", [BF16, np.dtype(np.float16)])
+def test_fp8_saturation_edge(tgt, in_dt):
+    """Every input value from half to twice the saturation edge x = max * scale, per head, with
+    scales of very different sizes: the codes equal fp8(clip(x * (1 / scale))) exactly."""
+    rng = np.random.default_rng(41)
+    T, H, d = 128, 4, 64
+    k_scales = np.array([3e-4, 0.0123, 0.77, 9.1], np.float32)
+    v_scales = np.array([0.02, 0.02, 0.02, 0.02], np.float32)
+    k, v, kc, vc, slots = _setup(rng, T, H, d, 16, FP8[tgt], in_dt)
+    for h in range(H):
+        k[:, h, :] = _edge_values(in_dt, k_scales[h], FP8_MAX[tgt], T * d).reshape(T, d)
+    v[:, 0, :] = _edge_values(in_dt, v_scales[0], FP8_MAX[tgt], T * d).reshape(T, d)
+    kc0, vc0 = kc.copy(), vc.copy()
+    kv_cache_append(k, v, kc, vc, slots, k_scale=k_scales, v_scale=v_scales)
+    _check(kc, vc, kc0, vc0, *kv_cache_append_ref(k, v, kc0, vc0, slots, k_scale=k_scales,
+                                                  v_scale=v_scales), slots)
+    got = kc.reshape(-1, H, d)[slots[slots >= 0]].astype(np.float32)
+    assert np.all(np.isfinite(got)) and np.abs(got).max() == FP8_MAX[tgt]
+
+
+@pytest.mark.parametrize("in_dt", [BF16, np.dtype(np.float16)])
+@pytest.mark.parametrize("fp8", ["float8_e4m3", "float8_e4m3fn"])
+def test_clamp_bound(in_dt, fp8):
+    """B is the largest input value whose fp32 product with 1 / scale stays <= max, and that
+    product rounds to max: the kernel never relies on how the FP8 cast treats overflow."""
+    top = float(ml_dtypes.finfo(getattr(ml_dtypes, fp8)).max)
+    f8 = getattr(ml_dtypes, fp8)
+    for scale in (1e-4, 3e-4, 0.0123, 0.02, 0.77, 1.0, 9.1, 100.0):
+        inv = np.float32(1) / np.float32(scale)
+        B = _clamp_bound("op", "k_scale", inv, top, in_dt, fp8)
+        nxt = (np.array([B], in_dt).view(np.uint16) + 1).view(in_dt).astype(np.float32)[0]
+        assert np.float32(B) * inv <= top < nxt * inv or B == float(np.finfo(in_dt).max
+                                                                   if in_dt != BF16 else
+                                                                   ml_dtypes.finfo(BF16).max)
+        assert float(np.array([np.float32(B) * inv]).astype(f8).astype(np.float32)[0]) == top
+    with pytest.raises(ValueError, match=r"op: k_scale = .* is too small for float16 inputs"):
+        _clamp_bound("op", "k_scale", np.float32(1e12), 448.0, np.float16, "float8_e4m3fn")
 
 
 def test_power_of_two_scale_is_the_true_quotient(tgt):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from .._validate import check_no_grad, check_target, dtype_name, host_ints, is_torch, kv_scales
@@ -35,7 +36,7 @@ P = 128
 # Llama-3-8B T = 2048 bf16, Trn3 modeled: NBUF 2 -> 43.2 us, 3 -> 44.8 us, a fresh buffer per
 # column (all loads first) -> 50.7 us; loading 2 or 4 columns per DMA: 53.6 / 68.7 us.
 NBUF = 2
-MAX_ROW = 4096         # H_kv * d elements per token: SBUF of a column (bf16 in, fp32, fp8 out)
+MAX_ROW = 4096         # H_kv * d elements per token: SBUF of a column (bf16 in, clamped, fp8)
 MAX_TOKENS = 65536     # tokens per call (slot table [128, nt] int32 on chip: <= 2 KiB/partition)
 _KV_DTYPES = ("bfloat16", "float16")
 _FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}          # the cache FP8 of Trn2 / Trn3
@@ -46,14 +47,13 @@ _FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0}
 # its pages in order) or are all skipped, one descriptor moves a run of r rows: r times fewer
 # scatters per cache (fewer links in the chain above) and longer descriptors. r is bounded by
 # RUN_BYTES per partition and buffer (input dtype) and by T / 128 (every column spans all 128
-# partitions, i.e. all 16 DMA queues); with an FP8 cache also by FP8_RUN_ELEMS per partition and
-# column, and at least 2 columns, so the quantisation of one column overlaps the DMAs of another.
-# Llama-3-8B T = 2048 (whole pages), Trn3 modeled: bf16 r = 1 / 2 / 8 / 16: 43.2 / 35.3 / 33.7 /
-# 33.6 us; FP8 r = 1 / 2 / 4 / 8 / 16: 46.2 / 34.4 / 37.6 / 44.0 / 56.8 us. Llama-3-70B TP8 (256-B
-# rows): bf16 r = 1 / 8 / 16: 40.4 / 7.3 / 6.2 us; FP8 r = 8 / 16: 9.1 / 10.5 us.
+# partitions, i.e. all 16 DMA queues); with an FP8 cache at least 2 columns remain, so the
+# quantisation of one column overlaps the DMAs of another. Modeled (Trn3 unless said), whole
+# pages, T = 2048: Llama-3-8B bf16 r = 1 / 2 / 8 / 16: 43.2 / 35.3 / 33.7 / 33.6 us; FP8 r = 2 /
+# 4 / 8: 32.0 / 27.4 / 26.2 us (Trn2: 41.5 / 37.3 / 42.3 us), r = 16 leaves one column: r = 1,
+# 47.5 us. Llama-3-70B TP8 (256-byte rows) bf16 r = 1 / 8 / 16: 40.4 / 7.3 / 6.2 us.
 RUNS = (64, 32, 16, 8, 4, 2)
 RUN_BYTES = 16384
-FP8_RUN_ELEMS = 2048
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def run_length(slots, row: int, itemsize: int = 2, fp8: bool = False) -> int:
     for r in RUNS:
         if T % r or r * row * itemsize > RUN_BYTES or r > T // P:
             continue
-        if fp8 and (r * row > FP8_RUN_ELEMS or T // r <= P):
+        if fp8 and T // r <= P:
             continue
         g = s.reshape(-1, r)
         cons = np.all(g == g[:, :1] + np.arange(r)[None, :], axis=1) & (g[:, 0] >= 0)
@@ -96,7 +96,7 @@ def plan_append(T: int, r: int = 1, fp8_max: float = 0.0, per_head: bool = False
 
 
 @nki.jit
-def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, inv_scales, plan):
+def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, qtab, plan):
     """``k_cache[slot[t]] = q(k[t])``, ``v_cache[slot[t]] = q(v[t])`` for every token with a slot.
 
     Dimensions: T tokens (1..65536) in runs of r (1..64; r | T), H_kv heads, d head_dim,
@@ -107,21 +107,24 @@ def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, inv_scales, plan):
       slots: [128, nt] int32 HBM: the first slot of run ``p * nt + j`` at ``[p, j]`` (its r
         tokens go to r consecutive slots); skipped and padding runs hold -1 (bits 0xFFFFFFFF:
         out of bounds, so never written).
-      inv_scales: [128, 2 H_kv] fp32 HBM (FP8 only, else None): ``1 / k_scale[h]`` in column h,
-        ``1 / v_scale[h]`` in column H_kv + h, the same on every partition.
+      qtab: [128, 6 H_kv] fp32 HBM (FP8 only, else None), the same on every partition: for
+        c = 0 (K), 1 (V) and head h, column ``c H_kv + h`` holds ``1 / scale``, column
+        ``(2 + c) H_kv + h`` the clamp bound B of the input and ``(4 + c) H_kv + h`` holds -B.
       plan: AppendPlan.
     Returns:
       (k_cache, v_cache), written in place.
     Notes:
-      bf16 / fp16 caches: the rows are copied bit for bit. FP8: ``x * (1 / scale)`` in fp32 on
-      ScalarE, clamped to +-max and rounded to FP8 (RNE) on VectorE. No other byte of the caches
-      is written: a skipped token's row transfer is dropped by the DMA (oob_mode.skip).
+      bf16 / fp16 caches: the rows are copied bit for bit. FP8: ``fp8(clip(x * inv, -M, M))``
+      (inv = fp32(1 / scale), product in fp32, RNE) exactly, computed as ``fp8(clamp(x, -B, B)
+      * inv)``: the clamp on VectorE, the multiply on VectorE (Trn3) or ScalarE (Trn2). No other
+      byte of the caches is written: a skipped run's transfer is dropped by the DMA
+      (oob_mode.skip).
     Pseudocode:
       idx[128, nt] = slots                                       # one DMA
       for j in 0..nt-1:                                          # column j: runs p * nt + j
         for x, cache in (k, k_cache), (v, v_cache):
           x_sb[p, :, :] = x[run p * nt + j]                      # [r, H*d], buffer j % NBUF
-          if fp8: y = x_sb * inv[h] (ScalarE); x_sb = fp8(min(max(y, -M), M)) (VectorE)
+          if fp8: x_sb = fp8(clamp(x_sb, -B[h], B[h]) * inv[h])   # VectorE (Trn2: x ScalarE)
           cache_rows[idx[p, j] : idx[p, j] + r] = x_sb[p]        # scatter; oob runs dropped
     """
     T, H, d = k.shape
@@ -137,10 +140,13 @@ def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, inv_scales, plan):
 
     idx = nl.ndarray((P, nt), dtype=nl.int32, buffer=nl.sbuf)            # [128, nt] slot table
     nisa.dma_copy(dst=idx, src=slots)
-    inv = None
+    tab = None
     if fp8:
-        inv = nl.ndarray((P, 2 * H), dtype=nl.float32, buffer=nl.sbuf)  # [128, 2 H_kv]
-        nisa.dma_copy(dst=inv, src=inv_scales)
+        tab = nl.ndarray((P, 6 * H), dtype=nl.float32, buffer=nl.sbuf)  # [128, 6 H_kv]
+        nisa.dma_copy(dst=tab, src=qtab)
+    # the FP8 multiply: VectorE's fast mode covers bf16 -> fp8 on Trn3 only; on Trn2 ScalarE
+    # takes it (the clamp stays on VectorE), so the two engines share the work
+    mul_engine = nisa.engine.vector if nisa.get_nc_version() >= 4 else nisa.engine.scalar
     bufs = nl.ndarray((P, 2, NBUF, r, row), dtype=k.dtype, buffer=nl.sbuf)  # [128, K|V, NBUF, r, H*d]
 
     for j in range(nt):
@@ -155,22 +161,27 @@ def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, inv_scales, plan):
                 nisa.dma_copy(dst=x_sb[full:full + 1, :, :], src=x_runs[w][u0:u0 + 1, :])
             out_sb = x_sb
             if fp8:
-                # x / scale as the engines compute it: x times the fp32 reciprocal (VectorE and
-                # ScalarE have no divide). ScalarE multiplies (a pure multiply: -0 stays -0),
-                # VectorE clamps and rounds to FP8 (the cast alone does not saturate).
-                y_sb = nl.ndarray((P, r, row), dtype=nl.float32, buffer=nl.sbuf)  # [128, r, H*d]
+                # fp8(clip(x * inv, -M, M)), inv = fp32(1 / scale), computed as fp8(clamp(x,
+                # -B, B) * inv) with B (host: _clamp_bound) the largest input value whose fp32
+                # product with inv is <= M and still rounds to M: inputs above B saturate to M
+                # and B gives M; inputs up to B never exceed M, so no clip is needed and the
+                # cast never meets an out-of-range value (its overflow behaviour is not
+                # documented). The clamp is exact (B is an input value) and both steps keep
+                # 8/16-bit data (VectorE's fast modes). -0 stays -0.
+                xc_sb = nl.ndarray((P, r, row), dtype=k.dtype, buffer=nl.sbuf)      # clamped x
+                out_sb = nl.ndarray((P, r, row), dtype=k_cache.dtype, buffer=nl.sbuf)
                 heads = range(H) if plan.per_head else range(1)
                 width = d if plan.per_head else row
                 for h in heads:
-                    col = w * H + h
-                    nisa.tensor_scalar(dst=y_sb[0:cnt, :, h * width:(h + 1) * width],
-                                       data=x_sb[0:cnt, :, h * width:(h + 1) * width],
-                                       op0=nl.multiply, operand0=inv[0:cnt, col:col + 1],
-                                       engine=nisa.engine.scalar)
-                out_sb = nl.ndarray((P, r, row), dtype=k_cache.dtype, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=out_sb[0:cnt, :, :], data=y_sb[0:cnt, :, :],
-                                   op0=nl.maximum, operand0=-M, op1=nl.minimum, operand1=M,
-                                   engine=nisa.engine.vector)
+                    cs = slice(h * width, (h + 1) * width)
+                    ci, cb, cn = w * H + h, (2 + w) * H + h, (4 + w) * H + h
+                    nisa.tensor_scalar(dst=xc_sb[0:cnt, :, cs], data=x_sb[0:cnt, :, cs],
+                                       op0=nl.minimum, operand0=tab[0:cnt, cb:cb + 1],
+                                       op1=nl.maximum, operand1=tab[0:cnt, cn:cn + 1],
+                                       engine=nisa.engine.vector)
+                    nisa.tensor_scalar(dst=out_sb[0:cnt, :, cs], data=xc_sb[0:cnt, :, cs],
+                                       op0=nl.multiply, operand0=tab[0:cnt, ci:ci + 1],
+                                       engine=mul_engine)
             # Skipped tokens: slot -1 (bits 0xFFFFFFFF, uint32 max) is out of bounds [0,
             # n_slots), and with oob_mode.skip the DMA drops that row's transfer, leaving the
             # cache untouched (nki-spec 6.4 / 9.2.1: oob_mode.skip "skips out-of-range rows, used
@@ -222,6 +233,32 @@ def _inv_scales(op, name, s, H):
         raise ValueError(f"{op}: {name} must be a positive float32 whose reciprocal is finite; "
                          f"got {np.asarray(s).tolist() if not is_torch(s) else s.tolist()}")
     return inv
+
+
+def _clamp_bound(op, name, inv, M, in_dtype, fp8_dtype):
+    """B: the largest finite input value (``in_dtype``) whose fp32 product with ``inv`` is <= M
+    and rounds to M in ``fp8_dtype``; then ``fp8(clamp(x, -B, B) * inv) == fp8(clip(x * inv,
+    -M, M))`` for every finite x: above B the product exceeds M (clipped to M), and B gives M;
+    up to B it never exceeds M. The largest finite input when no input reaches M."""
+    dt = np.dtype(in_dtype)
+    top = float(ml_dtypes.finfo(dt).max)
+    inv = np.float32(inv)
+    c = M / float(inv)
+    if c >= top:
+        cand = np.array([top], dt)
+    else:
+        bits = np.array([c], dt).view(np.uint16).astype(np.int64)
+        cand = np.clip(bits + np.arange(-4, 5), 0, 0x7FFF).astype(np.uint16).view(dt)
+    vals = cand.astype(np.float32)
+    vals = vals[np.isfinite(vals) & (vals * inv <= np.float32(M))]
+    B = np.float32(vals.max()) if vals.size else np.float32(0)
+    f8 = np.dtype(getattr(ml_dtypes, fp8_dtype))
+    if not (B == np.float32(top) and B * inv <= M) and \
+            float(np.array(B * inv).astype(f8).astype(np.float32)) != M:
+        raise ValueError(f"{op}: {name} = {1 / float(inv)!r} is too small for {dt.name} inputs "
+                         f"(x / {name} saturates {fp8_dtype} for inputs below the smallest "
+                         f"normal number)")
+    return B
 
 
 def kv_cache_append(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None):
@@ -293,13 +330,17 @@ def kv_cache_append(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_sca
     if not is_fp8 and (k_scale is not None or v_scale is not None):
         raise ValueError(f"{op}: k_scale / v_scale apply to FP8 caches only; the cache is {cn}")
     slots = _slots(op, slot_mapping, T, nb * bs)
-    inv = None
+    qtab = None
     per_head = False
     if is_fp8:
         ik = _inv_scales(op, "k_scale", k_scale, H)
         iv = _inv_scales(op, "v_scale", v_scale, H)
         per_head = bool(np.any(ik != ik[0]) or np.any(iv != iv[0]))
-        inv = np.ascontiguousarray(np.broadcast_to(np.concatenate([ik, iv])[None, :], (P, 2 * H)))
+        in_dt = ml_dtypes.bfloat16 if kn == "bfloat16" else np.float16
+        bk = [_clamp_bound(op, "k_scale", x, _FP8_MAX[fp8], in_dt, fp8) for x in ik]
+        bv = [_clamp_bound(op, "v_scale", x, _FP8_MAX[fp8], in_dt, fp8) for x in iv]
+        row = np.concatenate([ik, iv, bk, bv, -np.float32(bk), -np.float32(bv)]).astype(np.float32)
+        qtab = np.ascontiguousarray(np.broadcast_to(row[None, :], (P, 6 * H)))
     if T == 0 or not np.any(slots >= 0):
         return k_cache, v_cache                    # nothing to write
     r = run_length(slots, H * d, 2, is_fp8)
@@ -307,7 +348,7 @@ def kv_cache_append(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_sca
     tab = np.full(P * plan.nt, -1, dtype=np.int64)
     tab[:T // r] = slots[::r]                      # the first slot of each run
     tab = np.ascontiguousarray(tab.astype(np.int32).reshape(P, plan.nt))
-    launch(kv_cache_append_kernel, k, v, k_cache, v_cache, tab, inv, plan)
+    launch(kv_cache_append_kernel, k, v, k_cache, v_cache, tab, qtab, plan)
     return k_cache, v_cache
 
 
