@@ -34,6 +34,8 @@ def _setup(rng, T, H, d, bs, cache_dtype, in_dtype=BF16, skip=0.15, spare=1.5):
     kc, vc = kc.view(cache_dtype), vc.view(cache_dtype)
     slots = rng.choice(nb * bs, size=T, replace=False).astype(np.int64)
     slots[rng.random(T) < skip] = -1
+    if T and skip < 1.0 and slots[0] < 0:             # token 0 kept: tests look at its row
+        slots[0] = np.setdiff1d(np.arange(nb * bs), slots)[0]
     return k, v, kc, vc, slots
 
 
@@ -69,17 +71,17 @@ def test_against_reference(tgt, T, H, d, bs, kind):
     if kind == "fp8":
         # k: one scale (values up to ~12 / 0.02 = 600: saturates); v: one per head
         kw = dict(k_scale=0.02, v_scale=np.linspace(0.015, 0.06, H).astype(np.float32))
-        k[0, 0, :4] = np.array([0.0, -0.0, 1e3, -1e3], np.float32).astype(BF16)
+        k[0, 0, :6] = np.array([0.0, -0.0, 1e3, -1e3, np.inf, -np.inf], np.float32).astype(BF16)
     kc0, vc0 = kc.copy(), vc.copy()
     want_k, want_v = kv_cache_append_ref(k, v, kc0, vc0, slots, **kw)
     out = kv_cache_append(k, v, kc, vc, slots, **kw)
     assert out[0] is kc and out[1] is vc
     _check(kc, vc, kc0, vc0, want_k, want_v, slots)
-    if kind == "fp8" and slots[0] >= 0:
-        code = kc.reshape(-1, H, d)[slots[0], 0, :4]
+    if kind == "fp8":
+        code = kc.reshape(-1, H, d)[slots[0], 0, :6]
         assert _bytes(code)[1] == 0x80                 # -0 stays -0
-        assert code.astype(np.float32)[2] == FP8_MAX[tgt]    # saturation at the FP8 max
-        assert code.astype(np.float32)[3] == -FP8_MAX[tgt]
+        top = FP8_MAX[tgt]                             # saturation at the FP8 max, inf too
+        assert np.array_equal(code.astype(np.float32)[2:], [top, -top, top, -top])
     if kind == "fp8":
         written = kc.reshape(-1, H, d)[slots[slots >= 0]].astype(np.float32)
         assert np.all(np.isfinite(written)) and np.abs(written).max() == FP8_MAX[tgt]
