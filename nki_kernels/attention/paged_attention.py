@@ -17,8 +17,8 @@ No new attention code: each request takes the path built for its shape.
   :mod:`.flash_attention`'s prefill tiles (``run_kv_group``: 128-row q-tiles x 2048-key blocks,
   whole-tile causal skipping, the four-stage software pipeline) on views of the ragged rows, with
   K^T / V loaded from the paged cache one page at a time (a scalar dynamic offset read from the
-  block table in SBUF addresses each page; no gather descriptors). FP8 pages are cast to bf16 by
-  the DMA; K^T of FP8 pages is then made by an SBUF->SBUF DMA transpose. ``k_scale`` folds into
+  block table in SBUF addresses each page; no gather descriptors), keys on partitions, then K^T
+  by SBUF->SBUF DMA transposes. FP8 pages are cast to bf16 by the DMA; ``k_scale`` folds into
   the logit scale of its KV head, ``v_scale`` into the final normalisation.
 
 :func:`plan_paged_attention` is the host schedule (which request takes which path, the decode KV
@@ -208,7 +208,7 @@ def plan_paged_attention(seq_lens, query_start_loc, block_size, num_q_heads, num
                 raise ValueError(f"{op}: request {r} has q_len = {q_len}; a contiguous cache "
                                  f"(block_size None) serves decode batches only (q_len <= "
                                  f"{DECODE_MAX_Q})")
-            chunks.append(ChunkRequest(r, qsl[r], q_len, L, _resident_keys(gen, d, L, isz)))
+            chunks.append(ChunkRequest(r, qsl[r], q_len, L, _resident_keys(gen, d, L)))
     decode = []
     for s_q in sorted(by_q):
         reqs = tuple(by_q[s_q])
@@ -221,15 +221,15 @@ def plan_paged_attention(seq_lens, query_start_loc, block_size, num_q_heads, num
                               decode=tuple(decode), chunks=tuple(chunks))
 
 
-def _resident_keys(gen, d, seq_len, isz):
+def _resident_keys(gen, d, seq_len):
     """Keys of one KV head kept resident in SBUF per pass of a chunk request: flash attention's
     choice for this length, planned with the options that need the most SBUF (soft-cap, sinks,
-    lse). FP8 pages also take a bf16 staging copy of K (about the size of V): counted as one
-    more byte per key element."""
+    lse). The bf16 staging copy of K (about the size of V) is counted as one more byte per key
+    element."""
     fp = plan_flash_attention(gen, d, seq_len, causal=True, window=None, softcap=1.0, scale=1.0,
                               has_sinks=True, return_lse=True, k_layout="bhsd",
                               out_dtype=nl.bfloat16, sbuf_budget=sbuf_budget(),
-                              in_bytes=3 if isz == 1 else 2)
+                              in_bytes=3)
     return fp.chunk
 
 
@@ -364,11 +364,15 @@ def _chunk_request(q, k_cache, v_cache, block_table, sinks, out, lse, ident, ch,
 def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
     """Keys [c0, c1) of KV head ``hk`` of one request from its pages, laid out as flash
     attention's ``_load_kv``: K^T [128, DT, C] (d on partitions) and V_aug [128, C/128, d+1]
-    (key c0 + 128 t + p on partition p of tile t; column d = 1). One DMA per page and tensor
-    (pages of 256 keys: per 128 keys), addressed by the page's block-table entry in ``bt_sb``
-    (a scalar dynamic offset); bf16 K goes straight to K^T by a DMA transpose, FP8 K and V are
-    cast to bf16 by the DMA (K through a staging tile, then an SBUF->SBUF DMA transpose per
-    KV_PIECE tiles). ``c0`` is a multiple of the block size: pages never straddle a span."""
+    (key c0 + 128 t + p on partition p of tile t; column d = 1).
+
+    One DMA per page for K and one for V (pages of 256 keys: per 128 keys), addressed by the
+    page's block-table entry in ``bt_sb`` (a scalar dynamic offset), keys on partitions; FP8
+    pages are cast to bf16 by the DMA. K lands in a staging tile and K^T is made by SBUF->SBUF
+    DMA transposes of KV_PIECE tiles at a time: a page's own K^T transpose would move
+    ``block_size * 2``-byte runs per partition, far below the DMA's efficient descriptor size
+    (64 keys: 128 B; modeled 699 vs 660 us on the 2K chunk over 8K row, Trn3). ``c0`` is a
+    multiple of the block size: pages never straddle a span."""
     d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
     DT = -(-d // P)
     C = c1 - c0
@@ -377,37 +381,25 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
     kT = nl.ndarray((P, DT, C), dtype=dtype, buffer=nl.sbuf)                  # [128, DT, C]
     vs = nl.ndarray((P, nt, d + 1), dtype=dtype, buffer=nl.sbuf)              # [128, nt, d+1]
     nisa.memset(dst=vs[:, :, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
-    kst = nl.ndarray((P, nt, d), dtype=dtype, buffer=nl.sbuf) if cfg.fp8 else None
+    kst = nl.ndarray((P, nt, d), dtype=dtype, buffer=nl.sbuf)                 # [128, nt, d]
     kp = k_cache.reshape((k_cache.shape[0], bs * row))                        # [num_blocks, page]
     vp = v_cache.reshape((v_cache.shape[0], bs * row))
     done_t = 0
-    for j in range(c0 // bs, -(-c1 // bs)):
+    last_page = -(-c1 // bs) - 1
+    for j in range(c0 // bs, last_page + 1):
         reg = bt_sb[0:1, j:j + 1]
         base = j * bs - c0
         for s0 in range(0, min(bs, C - base), P):
             m = min(P, bs - s0, C - base - s0)
-            kk = base + s0
-            t, p0 = kk // P, kk % P
+            t, p0 = (base + s0) // P, (base + s0) % P
             off = (s0 * Hkv + hk) * d
-            if cfg.fp8:
-                nisa.dma_copy(dst=kst[p0:p0 + m, t, :],
-                              src=kp.ap([[row, m], [1, d]], offset=off, scalar_offset=reg,
-                                        indirect_dim=0))
-            else:
-                for c in range(DT):
-                    dc = min(P, d - c * P)
-                    nisa.dma_transpose(dst=kT[0:dc, c, kk:kk + m],
-                                       src=kp.ap([[row, m], [1, dc]], offset=off + c * P,
-                                                 scalar_offset=reg, indirect_dim=0))
-            nisa.dma_copy(dst=vs[p0:p0 + m, t, 0:d],
-                          src=vp.ap([[row, m], [1, d]], offset=off, scalar_offset=reg,
-                                    indirect_dim=0))
-        if cfg.fp8:
-            ready = min(C, base + bs) // P          # whole tiles staged so far
-            last = j == -(-c1 // bs) - 1
-            if ready - done_t >= KV_PIECE or last:
-                _stage_kT(kT, kst, done_t, ready, C, d, DT, last)
-                done_t = ready
+            for dst, pages in ((kst[p0:p0 + m, t, :], kp), (vs[p0:p0 + m, t, 0:d], vp)):
+                nisa.dma_copy(dst=dst, src=pages.ap([[row, m], [1, d]], offset=off,
+                                                    scalar_offset=reg, indirect_dim=0))
+        ready = min(C, base + bs) // P              # whole tiles staged so far
+        if ready - done_t >= KV_PIECE or j == last_page:
+            _stage_kT(kT, kst, done_t, ready, C, d, DT, j == last_page)
+            done_t = ready
     return kT, vs
 
 
