@@ -664,19 +664,23 @@ class KVAppendShape:
     block_size: int = 64
     kv_dtype: str = "bfloat16"
     prefill: bool = False
+    decodes: int = 0             # prefill: this many single decode tokens come first (mixed step)
 
 
 def kv_append_of(cfg: ModelConfig, tokens: int, prefill: bool, block_size: int = 64,
-                 kv_dtype: str = "bfloat16") -> KVAppendShape:
+                 kv_dtype: str = "bfloat16", decodes: int = 0) -> KVAppendShape:
     what = f"prefill chunk T={tokens}" if prefill else f"decode step T={tokens}"
+    if decodes:
+        what = f"mixed step {decodes} decodes + chunk {tokens}"
     fp8 = " fp8" if kv_dtype != "bfloat16" else ""
-    return KVAppendShape(f"{_slug(cfg)} {what} paged/{block_size}{fp8}", tokens, cfg.n_kv_heads,
-                         cfg.head_dim, block_size, kv_dtype, prefill)
+    return KVAppendShape(f"{_slug(cfg)} {what} paged/{block_size}{fp8}", tokens + decodes,
+                         cfg.n_kv_heads, cfg.head_dim, block_size, kv_dtype, prefill, decodes)
 
 
 KV_APPEND_MODELS = tuple(kv_append_of(cfg, t, t > 64, kv_dtype=dt)
                          for cfg in (LLAMA3_8B, LLAMA3_70B_TP8) for dt in ("bfloat16", "fp8")
-                         for t in (64, 2048))
+                         for t in (64, 2048)) + tuple(
+    kv_append_of(LLAMA3_8B, 2048, True, kv_dtype=dt, decodes=32) for dt in ("bfloat16", "fp8"))
 KV_APPEND_DEFAULT = (KV_APPEND_MODELS[1],)     # Llama-3-8B prefill chunk, bf16
 KV_APPEND_FAST = (KVAppendShape("small decode T=7 H=2 d=64 paged/16", 7, 2, 64, 16),
                   KVAppendShape("small decode T=300 H=2 d=64 paged/16", 300, 2, 64, 16),

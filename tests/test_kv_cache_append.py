@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nki_kernels import kv_cache_append
-from nki_kernels.attention.kv_cache_append import _clamp_bound, run_length
+from nki_kernels.attention.kv_cache_append import _clamp_bound, segments
 from nki_kernels.emulator import target
 from nki_kernels.reference.kv_cache_append import (
     bytes_kv_cache_append,
@@ -100,48 +100,63 @@ def _chunk_slots(rng, T, bs, nb, pad=0, lead=0):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_prompt_chunk_in_runs(tgt, kind):
-    """Consecutive slots go out as runs of r rows per descriptor (r > 1 here); skipped padding
-    runs and a run crossing into the adjacent page included."""
+    """Consecutive slots go out as runs of r rows per descriptor; skipped padding and a run
+    crossing into the adjacent page included."""
     rng = np.random.default_rng(31)
     T, H, d, bs = 1024, 2, 64, 16
     cdt = FP8[tgt] if kind == "fp8" else BF16
     k, v, kc, vc, _ = _setup(rng, T, H, d, bs, cdt, spare=2.0)
     slots = _chunk_slots(rng, T, bs, kc.shape[0], pad=64)
     fp8 = kind == "fp8"
-    assert run_length(slots, H * d, 2, fp8) == (4 if fp8 else 8)
+    assert segments(slots, H * d, 2, fp8) == [(0, 240, 4)]
     kw = dict(k_scale=0.02, v_scale=[0.02, 0.05]) if fp8 else {}
     kc0, vc0 = kc.copy(), vc.copy()
     kv_cache_append(k, v, kc, vc, slots, **kw)
     _check(kc, vc, kc0, vc0, *kv_cache_append_ref(k, v, kc0, vc0, slots, **kw), slots)
 
 
-def test_run_length():
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_mixed_step(tgt, kind):
+    """A serving step: skipped padding, decode tokens (one slot each), a prompt chunk starting
+    mid-page, more decodes: single-token and run segments in one launch."""
+    rng = np.random.default_rng(43)
+    H, d, bs, nb = 2, 64, 16, 200
+    cdt = FP8[tgt] if kind == "fp8" else BF16
+    chunk = _chunk_slots(rng, 1100, bs, 100, lead=5) + 100 * bs     # pages 100..199
+    dec = rng.choice(100 * bs, 50, replace=False)                   # pages 0..99
+    slots = np.concatenate([-np.ones(3, np.int64), dec[:20], -np.ones(4, np.int64), chunk,
+                            dec[20:]])
+    T = slots.size
+    segs = segments(slots, H * d, 2, kind == "fp8")
+    assert [r for _, _, r in segs] == [1, 8, 1]
+    k, v, kc, vc, _ = _setup(rng, T, H, d, bs, cdt)
+    kc, vc = (np.resize(x, (nb, bs, H, d)) for x in (kc, vc))
+    kw = dict(k_scale=0.03, v_scale=0.01) if kind == "fp8" else {}
+    kc0, vc0 = kc.copy(), vc.copy()
+    kv_cache_append(k, v, kc, vc, slots, **kw)
+    _check(kc, vc, kc0, vc0, *kv_cache_append_ref(k, v, kc0, vc0, slots, **kw), slots)
+
+
+def test_segments():
     rng = np.random.default_rng(37)
     s = _chunk_slots(rng, 2048, 64, 80)
-    assert run_length(s, 1024) == 8                   # 16 KiB of bf16 per partition
-    assert run_length(s, 128) == 16                   # at most T / 128
-    assert run_length(s, 1024, fp8=True) == 8         # FP8: >= 2 columns
-    assert run_length(s, 128, fp8=True) == 8
-    assert run_length(rng.permutation(4096)[:2048], 128) == 1           # scattered slots
-    odd = _chunk_slots(rng, 2048, 64, 80, lead=3)     # chunk starts at offset 3 of a page
-    assert run_length(odd, 128) == 1
-    two = _chunk_slots(rng, 2048, 64, 80, lead=2)
-    assert run_length(two, 128) == 2
+    assert segments(s, 1024) == [(0, 256, 8)]          # 16 KiB of bf16 per partition
+    assert segments(s, 128) == [(0, 128, 16)]          # at least 128 runs
+    assert segments(s, 1024, fp8=True) == [(0, 256, 8)]
+    assert segments(s, 128, fp8=True) == [(0, 256, 8)]  # FP8: at least 129 runs (2 columns)
+    assert segments(s[:300], 128, fp8=True) == [(0, 150, 2)]
+    scattered = rng.permutation(4096)[:2048]
+    assert segments(scattered, 128) == [(0, 2048, 1)]
+    odd = _chunk_slots(rng, 2048, 64, 80, lead=3)      # starts at offset 3 of a page
+    assert segments(odd, 128) == [(0, 5, 1), (5, 255, 8), (2045, 3, 1)]  # from offset 8
     hole = s.copy()
-    hole[4:8] = -1                                    # four skipped tokens: runs of 4 at most
-    assert run_length(hole, 128) == 4
-    hole[5] = 5000                                    # one inside a run: single tokens
-    assert run_length(hole, 128) == 1
-    assert run_length(s[:2000], 128) == 8             # r divides T
-    assert run_length(s[:64], 128) == 1               # fewer than 128 runs of 2
-
-
-def test_fp16_cache(tgt):
-    rng = np.random.default_rng(5)
-    k, v, kc, vc, slots = _setup(rng, 77, 2, 64, 32, np.dtype(np.float16), np.float16)
-    kc0, vc0 = kc.copy(), vc.copy()
-    kv_cache_append(k, v, kc, vc, slots)
-    _check(kc, vc, kc0, vc0, *kv_cache_append_ref(k, v, kc0, vc0, slots), slots)
+    hole[4:8] = -1                                     # a skipped run of 4 inside a page
+    assert segments(hole, 1024) == [(0, 4, 1), (8, 255, 8)]  # the 4 skipped: not loaded
+    pad = np.concatenate([-np.ones(9, np.int64), s[:200], -np.ones(20, np.int64)])
+    assert segments(pad, 1024) == [(9, 200, 1)]        # < 128 runs of 2; pads dropped
+    pad = np.concatenate([-np.ones(9, np.int64), s[:300], -np.ones(20, np.int64)])
+    assert segments(pad, 1024) == [(9, 150, 2)]
+    assert segments(np.array([-1, -1]), 128) == []
 
 
 def _edge_values(dt, scale, top, n):

@@ -1,7 +1,8 @@
 """Bench definition of the KV-cache append (one layer's new K/V into a paged cache, in place).
 
 Shapes: ``reference.shapes``: ``models`` runs ``KV_APPEND_MODELS`` (Llama-3-8B and Llama-3-70B
-TP8, a decode step of 64 sequences and a 2K prefill chunk, block 64, bf16 and FP8 caches);
+TP8, a decode step of 64 sequences and a 2K prefill chunk, block 64, bf16 and FP8 caches; a
+mixed step of 32 decodes and a 2K chunk, Llama-3-8B);
 ``default`` runs ``KV_APPEND_DEFAULT`` (the Llama-3-8B chunk, bf16); ``fast`` / ``odd`` run
 ``KV_APPEND_FAST`` (toy shapes).
 
@@ -36,7 +37,8 @@ def kv_append_case(s, target: str) -> BenchCase:
     fp8 = s.kv_dtype != "bfloat16"
     cdt = FP8[target] if fp8 else BF16
     T, H, d, bs = s.tokens, s.n_kv_heads, s.head_dim, s.block_size
-    pages = -(-T // bs) if s.prefill else T
+    nd = s.decodes                       # single decode tokens before the chunk
+    pages = nd + (-(-(T - nd) // bs) if s.prefill else T - nd)
     nb = max(2, SPARE_PAGES * pages)
     scales = dict(k_scale=K_SCALE, v_scale=V_SCALE) if fp8 else {}
 
@@ -47,10 +49,13 @@ def kv_append_case(s, target: str) -> BenchCase:
         k = rng.standard_normal((T, H, d), dtype=np.float32).astype(BF16)
         v = rng.standard_normal((T, H, d), dtype=np.float32).astype(BF16)
         order = rng.permutation(nb)[:pages]
-        if s.prefill:                # whole pages, in shuffled page order
-            slots = (order[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)[:T]
-        else:                        # one token per sequence, at a random offset of its page
-            slots = order * bs + rng.integers(0, bs, T)
+        # decodes: one token per sequence, at a random offset of its page
+        slots = order[:nd] * bs + rng.integers(0, bs, nd)
+        if s.prefill:                # a chunk: whole pages, in shuffled page order
+            chunk = (order[nd:, None] * bs + np.arange(bs)[None, :]).reshape(-1)[:T - nd]
+        else:
+            chunk = order[nd:] * bs + rng.integers(0, bs, T - nd)
+        slots = np.concatenate([slots, chunk])
         return k, v, fresh_cache(), fresh_cache(), slots.astype(np.int64)
 
     def run(k, v, k_cache, v_cache, slots):
@@ -65,6 +70,8 @@ def kv_append_case(s, target: str) -> BenchCase:
                                      f"reference")
 
     dims = {"T": T, "H_kv": H, "d": d, "block": bs, "slots": nb * bs}
+    if nd:
+        dims["decodes"] = nd
     return BenchCase(
         op="kv_cache_append", shape=s.name, dims=dims, dtype="fp8 KV" if fp8 else "bf16",
         make_inputs=make_inputs, run=run, flops=flops_kv_cache_append(T, H, d),

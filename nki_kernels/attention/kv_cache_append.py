@@ -43,15 +43,16 @@ _FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}          # the cache FP8 of Trn2 /
 _FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0}
 
 
-# Runs: when every r consecutive tokens (r | T) go to r consecutive slots (a prompt chunk fills
-# its pages in order) or are all skipped, one descriptor moves a run of r rows: r times fewer
-# scatters per cache (fewer links in the chain above) and longer descriptors. r is bounded by
-# RUN_BYTES per partition and buffer (input dtype) and by T / 128 (every column spans all 128
-# partitions, i.e. all 16 DMA queues); with an FP8 cache at least 2 columns remain, so the
-# quantisation of one column overlaps the DMAs of another. Modeled (Trn3 unless said), whole
-# pages, T = 2048: Llama-3-8B bf16 r = 1 / 2 / 8 / 16: 43.2 / 35.3 / 33.7 / 33.6 us; FP8 r = 2 /
-# 4 / 8: 32.0 / 27.4 / 26.2 us (Trn2: 41.5 / 37.3 / 42.3 us), r = 16 leaves one column: r = 1,
-# 47.5 us. Llama-3-70B TP8 (256-byte rows) bf16 r = 1 / 8 / 16: 40.4 / 7.3 / 6.2 us.
+# Runs: where r consecutive tokens go to r consecutive slots (a prompt chunk fills its pages in
+# order), one descriptor moves the run's r rows: r times fewer scatters per cache (fewer links in
+# the chain above) and longer descriptors. The host cuts the tokens into segments of one run
+# length each (segments()): runs of r where at least 128 of them (FP8: 129, two columns, so the
+# quantisation of one column overlaps the DMAs of another) follow each other, single tokens
+# elsewhere, skipped tokens (-1) at a segment's ends dropped. r is bounded by RUN_BYTES per
+# partition and buffer (input dtype). Modeled (Trn3 unless said), whole pages, T = 2048:
+# Llama-3-8B bf16 r = 1 / 2 / 8 / 16: 43.2 / 35.3 / 33.7 / 33.6 us; FP8 r = 2 / 4 / 8: 32.0 /
+# 27.4 / 26.2 us (Trn2: 41.5 / 37.3 / 42.3 us), r = 16 (one column): 47.5 us. Llama-3-70B TP8
+# (256-byte rows) bf16 r = 1 / 8 / 16: 40.4 / 7.3 / 6.2 us.
 RUNS = (64, 32, 16, 8, 4, 2)
 RUN_BYTES = 16384
 
@@ -60,38 +61,110 @@ RUN_BYTES = 16384
 class AppendPlan(nl.NKIObject):
     """Compile-time geometry of one append.
 
-    T tokens in runs of r (tokens ``u r .. u r + r - 1`` go to consecutive slots); run
-    ``u = p * nt + j`` on partition p, column j (nt runs per partition); fp8_max: the FP8 cache's
+    segs: ``(t0, U, r, nt, col0)`` per segment: tokens ``t0 .. t0 + U r - 1`` in U runs of r
+    (run ``u``'s r tokens go to r consecutive slots); run ``u = p * nt + j`` on partition p,
+    column ``col0 + j`` of the slot table. NT: slot-table columns. fp8_max: the FP8 cache's
     clamp bound (0.0: the cache has k's dtype, no quantisation); per_head: one scale per KV head
     (else one for all heads).
     """
     T: int
-    r: int
-    nt: int
+    segs: tuple
+    NT: int
     fp8_max: float
     per_head: bool
 
 
-def run_length(slots, row: int, itemsize: int = 2, fp8: bool = False) -> int:
-    """The longest run r of RUNS within the bounds above (``row = H_kv * d``) such that every run
-    of r tokens goes to r consecutive slots or is skipped whole; 1 if none."""
+def segments(slots, row: int, itemsize: int = 2, fp8: bool = False) -> list:
+    """Cut the tokens into ``(t0, U, r)`` segments (greedy, left to right): at each token the
+    longest r of RUNS (``r * row * itemsize <= RUN_BYTES``) whose runs from there (runs of r
+    consecutive slots) number at least 128 (FP8: 129) starts a run segment as long as its runs
+    last; if such a segment starts within the next max(RUNS) tokens instead (a chunk that starts
+    mid-page reaches a page boundary), single tokens fill up to it. Single tokens form r = 1
+    segments; skipped tokens at the ends of a single-token segment are dropped (never loaded)."""
     s = np.asarray(slots, dtype=np.int64).reshape(-1)
     T = s.size
-    for r in RUNS:
-        if T % r or r * row * itemsize > RUN_BYTES or r > T // P:
-            continue
-        if fp8 and T // r <= P:
-            continue
-        g = s.reshape(-1, r)
-        cons = np.all(g == g[:, :1] + np.arange(r)[None, :], axis=1) & (g[:, 0] >= 0)
-        if np.all(cons | np.all(g == -1, axis=1)):
-            return r
-    return 1
+    need = P + 1 if fp8 else P
+    rs = [r for r in RUNS if r * row * itemsize <= RUN_BYTES and r * need <= T]
+    nxt = np.zeros(T, bool)                      # slot[t + 1] == slot[t] + 1, both valid
+    if T > 1:
+        nxt[:-1] = (s[1:] == s[:-1] + 1) & (s[:-1] >= 0)
+    brk = np.concatenate([[0], np.cumsum(~nxt)])  # brk[b] - brk[a]: breaks in [a, b)
+    chain = {}                                   # r -> runs of r one after the other from t
+    for r in rs:
+        ok = np.zeros(T, bool)                   # tokens t .. t + r - 1: consecutive slots
+        ok[:T - r + 1] = (brk[r - 1:T] - brk[:T - r + 1] == 0) & (s[:T - r + 1] >= 0)
+        n = np.zeros(T + r, np.int64)
+        for c in range(r):                       # per residue class: length of the ones from t
+            g = ok[c::r]
+            zeros = np.append(np.flatnonzero(~g), g.size)
+            n[c:T:r] = zeros[np.searchsorted(zeros, np.arange(g.size))] - np.arange(g.size)
+        chain[r] = n
+
+    def runs_from(t, r):
+        return int(chain[r][t])
+
+    def best(t):
+        for r in rs:
+            n = runs_from(t, r)
+            if n >= need:
+                return r, n
+        return 1, 0
+
+    segs, single = [], None
+
+    def flush(end):
+        nonlocal single
+        if single is not None:
+            a, b = single, end
+            while a < b and s[a] < 0:
+                a += 1
+            while b > a and s[b - 1] < 0:
+                b -= 1
+            if b > a:
+                segs.append((a, b - a, 1))
+            single = None
+
+    cand = np.zeros(T, bool)                     # a run segment may start at t
+    for r in rs:
+        cand |= chain[r][:T] >= need
+    starts = np.flatnonzero(cand)
+    lookahead = max(rs, default=1)
+    t = 0
+    while t < T:
+        i = int(np.searchsorted(starts, t))
+        if i == starts.size:                     # single tokens to the end
+            if single is None:
+                single = t
+            break
+        if starts[i] > t:                        # single tokens up to the next run segment
+            if single is None:
+                single = t
+            t = int(starts[i])
+        r, n = best(t)
+        for dt in range(1, lookahead):           # a longer run length a few tokens later
+            if t + dt >= T:                      # (the next page boundary)?
+                break
+            r2, n2 = best(t + dt)
+            if r2 > r:
+                if single is None:
+                    single = t
+                t += dt
+                r, n = r2, n2
+                break
+        flush(t)
+        segs.append((t, n, r))
+        t += n * r
+    flush(T)
+    return segs
 
 
-def plan_append(T: int, r: int = 1, fp8_max: float = 0.0, per_head: bool = False) -> AppendPlan:
-    U = T // r
-    return AppendPlan(T=T, r=r, nt=max(1, -(-U // P)), fp8_max=float(fp8_max),
+def plan_append(T: int, segs, fp8_max: float = 0.0, per_head: bool = False) -> AppendPlan:
+    out, col = [], 0
+    for (t0, U, r) in segs:
+        nt = -(-U // P)
+        out.append((int(t0), int(U), int(r), nt, col))
+        col += nt
+    return AppendPlan(T=T, segs=tuple(out), NT=max(1, col), fp8_max=float(fp8_max),
                       per_head=bool(per_head))
 
 
@@ -99,14 +172,14 @@ def plan_append(T: int, r: int = 1, fp8_max: float = 0.0, per_head: bool = False
 def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, qtab, plan):
     """``k_cache[slot[t]] = q(k[t])``, ``v_cache[slot[t]] = q(v[t])`` for every token with a slot.
 
-    Dimensions: T tokens (1..65536) in runs of r (1..64; r | T), H_kv heads, d head_dim,
-    H_kv * d <= 4096; num_blocks x block_size slots.
+    Dimensions: T tokens (1..65536) in segments of runs of r (1..64) tokens, H_kv heads,
+    d head_dim, H_kv * d <= 4096; num_blocks x block_size slots.
     Args:
       k, v: [T, H_kv, d] bf16 / fp16, HBM.
       k_cache, v_cache: [num_blocks, block_size, H_kv, d] HBM, k's dtype or FP8 (written in place).
-      slots: [128, nt] int32 HBM: the first slot of run ``p * nt + j`` at ``[p, j]`` (its r
-        tokens go to r consecutive slots); skipped and padding runs hold -1 (bits 0xFFFFFFFF:
-        out of bounds, so never written).
+      slots: [128, NT] int32 HBM: the first slot of run ``p * nt + j`` of a segment at ``[p,
+        col0 + j]`` (its r tokens go to r consecutive slots); skipped tokens and padding hold -1
+        (bits 0xFFFFFFFF: out of bounds, so never written).
       qtab: [128, 6 H_kv] fp32 HBM (FP8 only, else None), the same on every partition: for
         c = 0 (K), 1 (V) and head h, column ``c H_kv + h`` holds ``1 / scale``, column
         ``(2 + c) H_kv + h`` the clamp bound B of the input and ``(4 + c) H_kv + h`` holds -B.
@@ -120,25 +193,23 @@ def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, qtab, plan):
       byte of the caches is written: a skipped run's transfer is dropped by the DMA
       (oob_mode.skip).
     Pseudocode:
-      idx[128, nt] = slots                                       # one DMA
-      for j in 0..nt-1:                                          # column j: runs p * nt + j
-        for x, cache in (k, k_cache), (v, v_cache):
-          x_sb[p, :, :] = x[run p * nt + j]                      # [r, H*d], buffer j % NBUF
-          if fp8: x_sb = fp8(clamp(x_sb, -B[h], B[h]) * inv[h])   # VectorE (Trn2: x ScalarE)
-          cache_rows[idx[p, j] : idx[p, j] + r] = x_sb[p]        # scatter; oob runs dropped
+      idx[128, NT] = slots                                       # one DMA
+      for (t0, U, r, nt, col0) in segments:
+        for j in 0..nt-1:                                        # column j: runs p * nt + j
+          for x, cache in (k, k_cache), (v, v_cache):
+            x_sb[p, :, :] = x[t0 + (p nt + j) r ...]             # [r, H*d], buffer j % NBUF
+            if fp8: x_sb = fp8(clamp(x_sb, -B[h], B[h]) * inv[h])  # VectorE (Trn2: x ScalarE)
+            cache_rows[idx[p, col0 + j] ...+ r] = x_sb[p]        # scatter; oob runs dropped
     """
     T, H, d = k.shape
     row = H * d
     n_slots = k_cache.shape[0] * k_cache.shape[1]
-    r, nt, M = plan.r, plan.nt, plan.fp8_max
+    M = plan.fp8_max
     fp8 = M > 0.0
-    U = T // r                       # runs
-    full = U // nt                   # partitions holding nt runs
-    rem = U % nt                     # runs on partition `full` (columns 0..rem-1), if any
-    x_runs = (k.reshape((U, r * row)), v.reshape((U, r * row)))          # [U, r*H*d]
+    x_rows = (k.reshape((T, row)), v.reshape((T, row)))                 # [T, H*d]
     c_rows = (k_cache.reshape((n_slots, row)), v_cache.reshape((n_slots, row)))   # [slots, H*d]
 
-    idx = nl.ndarray((P, nt), dtype=nl.int32, buffer=nl.sbuf)            # [128, nt] slot table
+    idx = nl.ndarray((P, plan.NT), dtype=nl.int32, buffer=nl.sbuf)       # [128, NT] slot table
     nisa.dma_copy(dst=idx, src=slots)
     tab = None
     if fp8:
@@ -147,53 +218,61 @@ def kv_cache_append_kernel(k, v, k_cache, v_cache, slots, qtab, plan):
     # the FP8 multiply: VectorE's fast mode covers bf16 -> fp8 on Trn3 only; on Trn2 ScalarE
     # takes it (the clamp stays on VectorE), so the two engines share the work
     mul_engine = nisa.engine.vector if nisa.get_nc_version() >= 4 else nisa.engine.scalar
-    bufs = nl.ndarray((P, 2, NBUF, r, row), dtype=k.dtype, buffer=nl.sbuf)  # [128, K|V, NBUF, r, H*d]
 
-    for j in range(nt):
-        cnt = full + (1 if j < rem else 0)      # partitions with a run in column j
-        for w in range(2):
-            x_sb = bufs[:, w, j % NBUF, :, :]                             # [128, r, H*d]
-            if full > 0:
-                src = x_runs[w][0:full * nt, :].reshape((full, nt, r * row))[:, j, :]
-                nisa.dma_copy(dst=x_sb[0:full, :, :], src=src)
-            if j < rem:
-                u0 = full * nt + j
-                nisa.dma_copy(dst=x_sb[full:full + 1, :, :], src=x_runs[w][u0:u0 + 1, :])
-            out_sb = x_sb
-            if fp8:
-                # fp8(clip(x * inv, -M, M)), inv = fp32(1 / scale), computed as fp8(clamp(x,
-                # -B, B) * inv) with B (host: _clamp_bound) the largest input value whose fp32
-                # product with inv is <= M and still rounds to M: inputs above B saturate to M
-                # and B gives M; inputs up to B never exceed M, so no clip is needed and the
-                # cast never meets an out-of-range value (its overflow behaviour is not
-                # documented). The clamp is exact (B is an input value) and both steps keep
-                # 8/16-bit data (VectorE's fast modes). -0 stays -0.
-                xc_sb = nl.ndarray((P, r, row), dtype=k.dtype, buffer=nl.sbuf)      # clamped x
-                out_sb = nl.ndarray((P, r, row), dtype=k_cache.dtype, buffer=nl.sbuf)
-                heads = range(H) if plan.per_head else range(1)
-                width = d if plan.per_head else row
-                for h in heads:
-                    cs = slice(h * width, (h + 1) * width)
-                    ci, cb, cn = w * H + h, (2 + w) * H + h, (4 + w) * H + h
-                    nisa.tensor_scalar(dst=xc_sb[0:cnt, :, cs], data=x_sb[0:cnt, :, cs],
-                                       op0=nl.minimum, operand0=tab[0:cnt, cb:cb + 1],
-                                       op1=nl.maximum, operand1=tab[0:cnt, cn:cn + 1],
-                                       engine=nisa.engine.vector)
-                    nisa.tensor_scalar(dst=out_sb[0:cnt, :, cs], data=xc_sb[0:cnt, :, cs],
-                                       op0=nl.multiply, operand0=tab[0:cnt, ci:ci + 1],
-                                       engine=mul_engine)
-            # Skipped tokens: slot -1 (bits 0xFFFFFFFF, uint32 max) is out of bounds [0,
-            # n_slots), and with oob_mode.skip the DMA drops that row's transfer, leaving the
-            # cache untouched (nki-spec 6.4 / 9.2.1: oob_mode.skip "skips out-of-range rows, used
-            # e.g. for KV-cache scatter with invalid positions = uint32 max"; NKI Library's MoE
-            # kernels skip tokens with an int32 index of -1 the same way). The host checks every
-            # slot to be -1 or in range, so no valid token is ever dropped, and no compaction
-            # pass (a prefix sum on chip, or a host copy of K/V) is needed.
-            # A run's r rows are consecutive slots, i.e. consecutive rows of the flattened cache
-            # (slot s + 1 is the row after s, across a page boundary too): one descriptor.
-            dst = c_rows[w].ap([[row, cnt], [1, r * row]], offset=0,
-                               vector_offset=idx[0:cnt, j:j + 1], indirect_dim=0)
-            nisa.dma_copy(dst=dst, src=out_sb[0:cnt, :, :], oob_mode=nisa.oob_mode.skip)
+    for (t0, U, r, nt, col0) in plan.segs:
+        full = U // nt               # partitions holding nt runs
+        rem = U % nt                 # runs on partition `full` (columns 0..rem-1), if any
+        x_runs = (x_rows[0][t0:t0 + U * r, :].reshape((U, r * row)),     # [U, r*H*d]
+                  x_rows[1][t0:t0 + U * r, :].reshape((U, r * row)))
+        bufs = nl.ndarray((P, 2, NBUF, r, row), dtype=k.dtype, buffer=nl.sbuf)  # [128,K|V,NBUF,r,H*d]
+        for j in range(nt):
+            cnt = full + (1 if j < rem else 0)  # partitions with a run in column j
+            for w in range(2):
+                x_sb = bufs[:, w, j % NBUF, :, :]                         # [128, r, H*d]
+                if full > 0:
+                    src = x_runs[w][0:full * nt, :].reshape((full, nt, r * row))[:, j, :]
+                    nisa.dma_copy(dst=x_sb[0:full, :, :], src=src)
+                if j < rem:
+                    u0 = full * nt + j
+                    nisa.dma_copy(dst=x_sb[full:full + 1, :, :], src=x_runs[w][u0:u0 + 1, :])
+                out_sb = x_sb
+                if fp8:
+                    # fp8(clip(x * inv, -M, M)), inv = fp32(1 / scale), computed as
+                    # fp8(clamp(x, -B, B) * inv) with B (host: _clamp_bound) the largest input
+                    # value whose fp32 product with inv is <= M and still rounds to M: inputs
+                    # above B saturate to M and B gives M; inputs up to B never exceed M, so no
+                    # clip is needed and the cast never meets an out-of-range value (its
+                    # overflow behaviour is not documented). The clamp is exact (B is an input
+                    # value) and both steps keep 8/16-bit data (VectorE's fast modes). -0 stays
+                    # -0.
+                    xc_sb = nl.ndarray((P, r, row), dtype=k.dtype, buffer=nl.sbuf)  # clamped x
+                    out_sb = nl.ndarray((P, r, row), dtype=k_cache.dtype, buffer=nl.sbuf)
+                    heads = range(H) if plan.per_head else range(1)
+                    width = d if plan.per_head else row
+                    for h in heads:
+                        cs = slice(h * width, (h + 1) * width)
+                        ci, cb, cn = w * H + h, (2 + w) * H + h, (4 + w) * H + h
+                        nisa.tensor_scalar(dst=xc_sb[0:cnt, :, cs], data=x_sb[0:cnt, :, cs],
+                                           op0=nl.minimum, operand0=tab[0:cnt, cb:cb + 1],
+                                           op1=nl.maximum, operand1=tab[0:cnt, cn:cn + 1],
+                                           engine=nisa.engine.vector)
+                        nisa.tensor_scalar(dst=out_sb[0:cnt, :, cs], data=xc_sb[0:cnt, :, cs],
+                                           op0=nl.multiply, operand0=tab[0:cnt, ci:ci + 1],
+                                           engine=mul_engine)
+                # Skipped tokens: slot -1 (bits 0xFFFFFFFF, uint32 max) is out of bounds [0,
+                # n_slots), and with oob_mode.skip the DMA drops that row's transfer, leaving
+                # the cache untouched (nki-spec 6.4 / 9.2.1: oob_mode.skip "skips out-of-range
+                # rows, used e.g. for KV-cache scatter with invalid positions = uint32 max"; NKI
+                # Library's MoE kernels skip tokens with an int32 index of -1 the same way). The
+                # host checks every slot to be -1 or in range, so no valid token is ever dropped
+                # and no compaction pass (a prefix sum on chip, or a host copy of K/V) is needed.
+                # A run's r rows are consecutive slots, i.e. consecutive rows of the flattened
+                # cache (slot s + 1 is the row after s, across a page boundary too): one
+                # descriptor per run.
+                c = col0 + j
+                dst = c_rows[w].ap([[row, cnt], [1, r * row]], offset=0,
+                                   vector_offset=idx[0:cnt, c:c + 1], indirect_dim=0)
+                nisa.dma_copy(dst=dst, src=out_sb[0:cnt, :, :], oob_mode=nisa.oob_mode.skip)
     return k_cache, v_cache
 
 
@@ -343,13 +422,15 @@ def kv_cache_append(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_sca
         qtab = np.ascontiguousarray(np.broadcast_to(row[None, :], (P, 6 * H)))
     if T == 0 or not np.any(slots >= 0):
         return k_cache, v_cache                    # nothing to write
-    r = run_length(slots, H * d, 2, is_fp8)
-    plan = plan_append(T, r, _FP8_MAX[fp8] if is_fp8 else 0.0, per_head)
-    tab = np.full(P * plan.nt, -1, dtype=np.int64)
-    tab[:T // r] = slots[::r]                      # the first slot of each run
-    tab = np.ascontiguousarray(tab.astype(np.int32).reshape(P, plan.nt))
+    plan = plan_append(T, segments(slots, H * d, 2, is_fp8), _FP8_MAX[fp8] if is_fp8 else 0.0,
+                       per_head)
+    tab = np.full((P, plan.NT), -1, dtype=np.int32)
+    for (t0, U, r, nt, col0) in plan.segs:     # the first slot of each run, run p * nt + j
+        first = np.full(P * nt, -1, dtype=np.int64)
+        first[:U] = slots[t0:t0 + U * r:r]
+        tab[:, col0:col0 + nt] = first.reshape(P, nt)
     launch(kv_cache_append_kernel, k, v, k_cache, v_cache, tab, qtab, plan)
     return k_cache, v_cache
 
 
-__all__ = ["kv_cache_append", "kv_cache_append_kernel", "AppendPlan", "plan_append", "run_length"]
+__all__ = ["kv_cache_append", "kv_cache_append_kernel", "AppendPlan", "plan_append", "segments"]
