@@ -5,13 +5,14 @@ row (all its KV heads, ``H_kv * d`` contiguous elements of the cache) to slot
 ``slot_mapping[t] = block * block_size + offset``; ``-1`` skips the token (vLLM's padding). Nothing
 else in the caches changes. An FP8 cache stores ``fp8(clamp(x / scale, -max, max))`` per KV head.
 
-Layout on chip: tokens go in runs of r (r = 1, or up to 64 when every r consecutive tokens go to
-r consecutive slots, as a prompt chunk filling its pages does: checked on the host). Run ``u = p *
-nt + j`` sits on partition ``p``, column ``j`` (``nt = ceil(T / r / 128)``), so the slot table (the
-first slot of each run) arrives in one DMA as ``[128, nt]``. Column ``j`` (up to 128 runs, one per
-partition) is loaded, quantised if the cache is FP8, and written by one indirect DMA per cache: a
-scatter through ``vector_offset`` (software DGE) in which partition ``p``'s run goes to cache
-rows ``slot[u] .. slot[u] + r - 1``, one descriptor of ``r * H_kv * d * itemsize`` bytes.
+Layout on chip: the host cuts the tokens into segments, each of runs of r tokens going to r
+consecutive slots (r = 1: single tokens; up to 64 where a prompt chunk fills its pages in order;
+see segments()). In a segment, run ``u = p * nt + j`` sits on partition ``p``, column ``j`` (``nt
+= ceil(runs / 128)``); the table of each run's first slot arrives in one DMA. Each column (up to
+128 runs, one per partition) is loaded, quantised if the cache is FP8, and written by one
+indirect DMA per cache: a scatter through ``vector_offset`` (software DGE) in which partition
+``p``'s run goes to cache rows ``slot[u] .. slot[u] + r - 1``, one descriptor of ``r * H_kv * d *
+itemsize`` bytes.
 
 What bounds it (modeled): two scatters into the same cache are ordered (an indirect write may
 touch any row, so the compiler cannot prove them disjoint: a write-after-write edge), so each
