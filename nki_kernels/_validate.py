@@ -144,3 +144,46 @@ def kv_scales(op, name, s, h_kv):
     if not np.all(np.isfinite(a)) or np.any(a <= 0):
         raise ValueError(f"{op}: {name} must be finite and > 0; got {a.tolist()}")
     return np.broadcast_to(a, (h_kv,)).astype(np.float64)
+
+
+def check_window(op, window):
+    """A left sliding window: None, or an int >= 1 (keys visible including the query's own)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
+                               or window < 1):
+        raise ValueError(f"{op}: window must be None or an int >= 1 (keys visible including the "
+                         f"query's own); got {window!r}")
+    return None if window is None else int(window)
+
+
+FP8_KV = {3: "float8_e4m3", 4: "float8_e4m3fn"}      # KV-cache FP8 type per generation
+
+
+def attention_options(op, gen, q, k_cache, v_cache, n_q_heads, n_kv_heads, head_dim, scale,
+                      softcap, sinks, k_scale, v_scale):
+    """The options every attention op over a (paged) KV cache checks the same way: q bf16/fp16,
+    caches both q's dtype or the target's FP8 (scales only then), scale / soft-cap > 0, sinks
+    ``[H_q]``. Returns ``(q dtype name, cache dtype name, is_fp8, k_scale [H_kv] | None,
+    v_scale [H_kv] | None, scale, softcap | None, sinks fp32 [H_q] | None)``."""
+    qn = dtype_name(q)
+    if qn not in ("bfloat16", "float16"):
+        raise TypeError(f"{op}: q.dtype must be one of bfloat16, float16; got {qn}")
+    kn, vn = dtype_name(k_cache), dtype_name(v_cache)
+    fp8 = FP8_KV.get(gen, FP8_KV[4])
+    if kn != vn or kn not in (qn, fp8):
+        raise TypeError(f"{op}: k_cache and v_cache must both be {qn} (q's dtype) or {fp8} (FP8 on "
+                        f"this target); got {kn} and {vn}")
+    is_fp8 = kn == fp8
+    if not is_fp8 and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"{op}: k_scale / v_scale apply to FP8 caches only; the cache is {kn}")
+    ks = kv_scales(op, "k_scale", k_scale, n_kv_heads)
+    vs = kv_scales(op, "v_scale", v_scale, n_kv_heads)
+    scale = (1.0 / float(np.sqrt(head_dim)) if scale is None
+             else positive_number(op, "scale", scale, False))
+    softcap = positive_number(op, "softcap", softcap)
+    sk = None
+    if sinks is not None:
+        sk = np.ascontiguousarray(array_like(op, "sinks", sinks))
+        if sk.shape != (n_q_heads,):
+            raise ValueError(f"{op}: sinks must have shape (H_q,) = ({n_q_heads},); got "
+                             f"{sk.shape}")
+    return qn, kn, is_fp8, ks, vs, scale, softcap, sk

@@ -24,15 +24,12 @@ barrier (:func:`.merge_attention_states.merge_states_sb`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import dtype_name as _dtype_name
+from .._validate import attention_options, check_window
 from .._validate import host_ints as _host_ints
-from .._validate import is_torch as _is_torch
-from .._validate import kv_scales, positive_number
 from ..backend import launch, nisa, nki, nl
 from .kv_cache import (
     BLOCK_SIZES,
@@ -626,8 +623,6 @@ class _Run:
 
 
 # ---------------------------------------------------------------------------------------- op
-_Q_DTYPES = ("bfloat16", "float16")
-_FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}
 
 
 def _check_inputs(q, k_cache, v_cache, seq_lens, block_table, window, lnc):
@@ -686,10 +681,7 @@ def _check_inputs(q, k_cache, v_cache, seq_lens, block_table, window, lnc):
         if N0 * bs * Hkv * d >= 2 ** 31:
             raise ValueError(f"{op}: the paged cache has {N0 * bs * Hkv * d} elements; the gather "
                              f"offsets support < 2^31")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
-                               or window < 1):
-        raise ValueError(f"{op}: window must be None or an int >= 1 (keys visible including the "
-                         f"diagonal); got {window!r}")
+    check_window(op, window)
     if lnc not in (1, 2):
         raise ValueError(f"{op}: lnc must be 1 or 2; got {lnc!r}")
     return B, s_q, Hq, d, Hkv, sl, bt, bs
@@ -730,28 +722,8 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
     gen = int(nisa.get_nc_version())
     if gen < 3:
         raise ValueError(f"{op}: needs Trn2 or Trn3 (range_select); target is gen{gen}")
-    qn = _dtype_name(q)
-    if qn not in _Q_DTYPES:
-        raise TypeError(f"{op}: q.dtype must be one of {', '.join(_Q_DTYPES)}; got {qn}")
-    kn, vn = _dtype_name(k_cache), _dtype_name(v_cache)
-    fp8 = _FP8.get(gen, _FP8[4])
-    if kn != vn or kn not in (qn, fp8):
-        raise TypeError(f"{op}: k_cache and v_cache must both be {qn} (q's dtype) or {fp8} (FP8 on "
-                        f"this target); got {kn} and {vn}")
-    is_fp8 = kn == fp8
-    if not is_fp8 and (k_scale is not None or v_scale is not None):
-        raise ValueError(f"{op}: k_scale / v_scale apply to FP8 caches only; the cache is {kn}")
-    ks = kv_scales(op, "k_scale", k_scale, Hkv)
-    vs = kv_scales(op, "v_scale", v_scale, Hkv)
-    scale = 1.0 / math.sqrt(d) if scale is None else positive_number(op, "scale", scale, False)
-    softcap = positive_number(op, "softcap", softcap)
-    sk = None
-    if sinks is not None:
-        if _is_torch(sinks):
-            sinks = sinks.detach().float().cpu().numpy()
-        sk = np.asarray(sinks, dtype=np.float32)
-        if sk.shape != (Hq,):
-            raise ValueError(f"{op}: sinks must have shape (H_q,) = ({Hq},); got {sk.shape}")
+    qn, kn, is_fp8, ks, vs, scale, softcap, sk = attention_options(
+        op, gen, q, k_cache, v_cache, Hq, Hkv, d, scale, softcap, sinks, k_scale, v_scale)
     isz = 1 if is_fp8 else 2
     lens = tuple(int(x) for x in sl)
     if plan is not None:

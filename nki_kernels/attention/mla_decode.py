@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import check_target, dtype_name, is_torch
+from .._validate import check_target, dtype_name, host_ints, is_torch
 from ..backend import launch, nisa, nki, nl
 from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, load_kv_tile_pages, tokens_per_partition
 from .masks import mask_range_select
@@ -588,15 +588,6 @@ OP = "mla_decode"
 _FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}
 
 
-def _host_ints(name, x):
-    if is_torch(x):
-        x = x.detach().cpu().numpy()
-    a = np.asarray(x)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{OP}: {name} must be an integer array; got dtype {a.dtype}")
-    return a
-
-
 def _positive(name, x):
     if is_torch(x):
         x = x.detach().float().cpu().numpy()
@@ -670,7 +661,7 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
     if lnc not in (1, 2) or isinstance(lnc, bool):
         raise ValueError(f"{OP}: lnc must be 1 or 2; got {lnc!r}")
     N0, S1 = int(shp[0]), int(shp[1])
-    sl = _host_ints("seq_lens", seq_lens).reshape(-1)
+    sl = host_ints(OP, "seq_lens", seq_lens).reshape(-1)
     if sl.shape != (B,):
         raise ValueError(f"{OP}: seq_lens must have one length per sequence (B = {B}); got shape "
                          f"{list(np.asarray(seq_lens).shape)}")
@@ -689,7 +680,7 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
         if bs not in BLOCK_SIZES:
             raise ValueError(f"{OP}: block_size (kv_cache.shape[1]) must be one of "
                              f"{', '.join(map(str, BLOCK_SIZES))}; got {bs}")
-        bt = _host_ints("block_table", block_table)
+        bt = host_ints(OP, "block_table", block_table)
         if bt.ndim != 2 or bt.shape[0] != B:
             raise ValueError(f"{OP}: block_table must be [B={B}, max_blocks]; got shape "
                              f"{list(bt.shape)}")

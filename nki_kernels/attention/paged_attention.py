@@ -30,22 +30,20 @@ ValueError naming what differs.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from .._limits import P, sbuf_budget
 from .._validate import (
-    array_like,
+    FP8_KV,
+    attention_options,
     check_flag,
     check_no_grad,
     check_target,
+    check_window,
     host_ints,
-    kv_scales,
-    positive_number,
 )
-from .._validate import dtype_name as _dtype_name
 from ..backend import launch, nisa, nki, nl
 from .decode_attention import NCOL, DecodePlan, _Run, decode_schedule, row_table, slot_width
 from .flash_attention import plan_flash_attention, run_kv_group
@@ -57,7 +55,6 @@ HEAD_DIMS = (64, 128, 192, 256)
 DECODE_MAX_Q = 8          # longest q_len that takes the decode path (decode_attention's s_q limit)
 KV_PIECE = 8              # 128-key tiles per FP8 K^T transpose group
 _Q_DTYPES = ("bfloat16", "float16")
-_FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}
 
 
 @dataclass(frozen=True)
@@ -182,13 +179,10 @@ def plan_paged_attention(seq_lens, query_start_loc, block_size, num_q_heads, num
     if block_size is not None and block_size not in BLOCK_SIZES:
         raise ValueError(f"{op}: block_size must be one of {', '.join(map(str, BLOCK_SIZES))} (or "
                          f"None: contiguous cache); got {block_size!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
-                               or window < 1):
-        raise ValueError(f"{op}: window must be None or an int >= 1 (keys visible including the "
-                         f"query's own); got {window!r}")
+    check_window(op, window)
     if lnc not in (1, 2):
         raise ValueError(f"{op}: lnc must be 1 or 2; got {lnc!r}")
-    fp8 = _FP8.get(gen, _FP8[4])
+    fp8 = FP8_KV.get(gen, FP8_KV[4])
     kv_name = str(kv_dtype).replace("torch.", "")
     if kv_name not in (*_Q_DTYPES, fp8):
         raise TypeError(f"{op}: kv_dtype must be one of {', '.join((*_Q_DTYPES, fp8))} on this "
@@ -496,32 +490,11 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     check_no_grad(op, q, k_cache, v_cache, sinks)
     T, Hq, d, Hkv, bs, sl, qsl, bt = _check_inputs(op, q, k_cache, v_cache, block_table,
                                                    seq_lens, query_start_loc)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
-                               or window < 1):
-        raise ValueError(f"{op}: window must be None or an int >= 1 (keys visible including the "
-                         f"query's own); got {window!r}")
+    check_window(op, window)
     if lnc not in (1, 2):
         raise ValueError(f"{op}: lnc must be 1 or 2; got {lnc!r}")
-    qn = _dtype_name(q)
-    if qn not in _Q_DTYPES:
-        raise TypeError(f"{op}: q.dtype must be one of {', '.join(_Q_DTYPES)}; got {qn}")
-    kn, vn = _dtype_name(k_cache), _dtype_name(v_cache)
-    fp8 = _FP8.get(gen, _FP8[4])
-    if kn != vn or kn not in (qn, fp8):
-        raise TypeError(f"{op}: k_cache and v_cache must both be {qn} (q's dtype) or {fp8} (FP8 on "
-                        f"this target); got {kn} and {vn}")
-    is_fp8 = kn == fp8
-    if not is_fp8 and (k_scale is not None or v_scale is not None):
-        raise ValueError(f"{op}: k_scale / v_scale apply to FP8 caches only; the cache is {kn}")
-    ks = kv_scales(op, "k_scale", k_scale, Hkv)
-    vs = kv_scales(op, "v_scale", v_scale, Hkv)
-    scale = 1.0 / math.sqrt(d) if scale is None else positive_number(op, "scale", scale, False)
-    softcap = positive_number(op, "softcap", softcap)
-    sk = None
-    if sinks is not None:
-        sk = np.ascontiguousarray(array_like(op, "sinks", sinks))
-        if sk.shape != (Hq,):
-            raise ValueError(f"{op}: sinks must have shape (H_q,) = ({Hq},); got {sk.shape}")
+    qn, kn, is_fp8, ks, vs, scale, softcap, sk = attention_options(
+        op, gen, q, k_cache, v_cache, Hq, Hkv, d, scale, softcap, sinks, k_scale, v_scale)
     isz = 1 if is_fp8 else 2
     if plan is None:
         plan = plan_paged_attention(sl, qsl, bs, Hq, Hkv, d, window=window, kv_dtype=kn, lnc=lnc)
