@@ -187,3 +187,48 @@ def attention_options(op, gen, q, k_cache, v_cache, n_q_heads, n_kv_heads, head_
             raise ValueError(f"{op}: sinks must have shape (H_q,) = ({n_q_heads},); got "
                              f"{sk.shape}")
     return qn, kn, is_fp8, ks, vs, scale, softcap, sk
+
+
+def check_block_table(op, block_table, lens, cache_shape, block_sizes, cache_name="k_cache",
+                      rows="B"):
+    """A vLLM block table ``[len(lens), max_blocks]`` for a paged cache of ``cache_shape``
+    (``[num_blocks, block_size, ...]``): block size supported, enough blocks for every length,
+    the entries in use inside ``[0, num_blocks)`` (entries past a length are never read and not
+    checked), offsets below 2^31. Returns ``(table as int32, block_size)``."""
+    n0, bs = int(cache_shape[0]), int(cache_shape[1])
+    if bs not in block_sizes:
+        raise ValueError(f"{op}: block_size ({cache_name}.shape[1]) must be one of "
+                         f"{', '.join(map(str, block_sizes))}; got {bs}")
+    bt = host_ints(op, "block_table", block_table)
+    n = len(lens)
+    if bt.ndim != 2 or bt.shape[0] != n:
+        raise ValueError(f"{op}: block_table must be [{rows}={n}, max_blocks]; got shape "
+                         f"{list(bt.shape)}")
+    cap = bt.shape[1] * bs
+    top = max((int(x) for x in lens), default=0)
+    if top > cap:
+        raise ValueError(f"{op}: seq_lens up to {top} exceed the block table's capacity "
+                         f"{bt.shape[1]} blocks x {bs} = {cap} tokens")
+    for r, L in enumerate(lens):
+        used = bt[r, :-(-int(L) // bs)]
+        if used.size and (used.min() < 0 or used.max() >= n0):
+            raise ValueError(f"{op}: block_table[{r}] has entries out of range [0, {n0}) "
+                             f"(num_blocks); got {used.tolist()}"[:300])
+    elems = int(np.prod([int(x) for x in cache_shape]))
+    if elems >= 2 ** 31:
+        raise ValueError(f"{op}: the paged cache has {elems} elements; the page offsets support "
+                         f"< 2^31")
+    return np.ascontiguousarray(bt.astype(np.int32)), bs
+
+
+def check_decode_lens(op, seq_lens, B, s_q):
+    """Decode lengths: one host int per sequence, 0 (an empty slot) or >= s_q (they count the new
+    tokens, already in the cache)."""
+    sl = host_ints(op, "seq_lens", seq_lens).reshape(-1)
+    if sl.shape != (B,):
+        raise ValueError(f"{op}: seq_lens must have one length per sequence (B = {B}); got shape "
+                         f"{list(np.asarray(seq_lens).shape)}")
+    if np.any(sl < 0) or any(0 < L < s_q for L in sl.tolist()):
+        raise ValueError(f"{op}: seq_lens must be 0 (an empty slot) or >= s_q = {s_q} (they count "
+                         f"the new tokens, already in the cache); got {sl.tolist()}"[:300])
+    return sl

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import attention_options, check_window
-from .._validate import host_ints as _host_ints
+from .._validate import attention_options, check_block_table, check_decode_lens, check_window
 from ..backend import launch, nisa, nki, nl
 from .kv_cache import (
     BLOCK_SIZES,
@@ -644,43 +643,16 @@ def _check_inputs(q, k_cache, v_cache, seq_lens, block_table, window, lnc):
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"{op}: H_q ({Hq}) must be a multiple of the cache's H_kv ({Hkv})")
     slot_width(Hq // Hkv * s_q)
-    sl = _host_ints(op, "seq_lens", seq_lens).reshape(-1)
-    if sl.shape != (B,):
-        raise ValueError(f"{op}: seq_lens must have one length per sequence (B = {B}); got shape "
-                         f"{list(np.asarray(seq_lens).shape)}")
-    bad = [(b, int(L)) for b, L in enumerate(sl) if L != 0 and L < s_q]
-    if np.any(sl < 0) or bad:
-        raise ValueError(f"{op}: seq_lens must be 0 (an empty slot) or >= s_q = {s_q} (they count "
-                         f"the new tokens, already in the cache); got {sl.tolist()}")
+    sl = check_decode_lens(op, seq_lens, B, s_q)
     if block_table is None:
         if N0 != B:
             raise ValueError(f"{op}: a contiguous k_cache must be [B={B}, S_max, H_kv, d]; got "
                              f"{tuple(k_cache.shape)} (pass block_table for a paged cache)")
         if sl.max(initial=0) > S1:
             raise ValueError(f"{op}: seq_lens up to {int(sl.max())} exceed the cache's S_max = {S1}")
-        bt = None
-        bs = None
+        bt = bs = None
     else:
-        bs = S1
-        if bs not in BLOCK_SIZES:
-            raise ValueError(f"{op}: block_size (k_cache.shape[1]) must be one of "
-                             f"{', '.join(map(str, BLOCK_SIZES))}; got {bs}")
-        bt = _host_ints(op, "block_table", block_table)
-        if bt.ndim != 2 or bt.shape[0] != B:
-            raise ValueError(f"{op}: block_table must be [B={B}, max_blocks]; got shape "
-                             f"{list(bt.shape)}")
-        cap = bt.shape[1] * bs
-        if sl.max(initial=0) > cap:
-            raise ValueError(f"{op}: seq_lens up to {int(sl.max())} exceed the block table's "
-                             f"capacity {bt.shape[1]} blocks x {bs} = {cap} tokens")
-        for b in range(B):
-            used = bt[b, :-(-int(sl[b]) // bs)]
-            if used.size and (used.min() < 0 or used.max() >= N0):
-                raise ValueError(f"{op}: block_table[{b}] has entries out of range [0, {N0}) "
-                                 f"(num_blocks); got {used.tolist()}")
-        if N0 * bs * Hkv * d >= 2 ** 31:
-            raise ValueError(f"{op}: the paged cache has {N0 * bs * Hkv * d} elements; the gather "
-                             f"offsets support < 2^31")
+        bt, bs = check_block_table(op, block_table, sl, k_cache.shape, BLOCK_SIZES)
     check_window(op, window)
     if lnc not in (1, 2):
         raise ValueError(f"{op}: lnc must be 1 or 2; got {lnc!r}")
@@ -739,8 +711,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, *, block_table=None, scale=N
                       has_vscale=vs is not None, return_lse=bool(return_lse),
                       out_dtype=getattr(nl, qn), kt_act=0.5, gather=GATHER)
     rowtab = row_table(plan, scale, ks, vs, sk)
-    bt_arg = None if bt is None else np.ascontiguousarray(bt.astype(np.int32))
-    res = launch(decode_attention_kernel, q, k_cache, v_cache, bt_arg, rowtab, plan, lnc=lnc)
+    res = launch(decode_attention_kernel, q, k_cache, v_cache, bt, rowtab, plan, lnc=lnc)
     return tuple(res) if return_lse else res
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import check_target, dtype_name, host_ints, is_torch
+from .._validate import check_block_table, check_decode_lens, check_target, dtype_name, is_torch
 from ..backend import launch, nisa, nki, nl
 from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, load_kv_tile_pages, tokens_per_partition
 from .masks import mask_range_select
@@ -661,13 +661,7 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
     if lnc not in (1, 2) or isinstance(lnc, bool):
         raise ValueError(f"{OP}: lnc must be 1 or 2; got {lnc!r}")
     N0, S1 = int(shp[0]), int(shp[1])
-    sl = host_ints(OP, "seq_lens", seq_lens).reshape(-1)
-    if sl.shape != (B,):
-        raise ValueError(f"{OP}: seq_lens must have one length per sequence (B = {B}); got shape "
-                         f"{list(np.asarray(seq_lens).shape)}")
-    if np.any(sl < 0) or any(0 < L < s_q for L in sl.tolist()):
-        raise ValueError(f"{OP}: seq_lens must be 0 (an empty slot) or >= s_q = {s_q} (they count "
-                         f"the new tokens, already in the cache); got {sl.tolist()}")
+    sl = check_decode_lens(OP, seq_lens, B, s_q)
     bt = bs = None
     if block_table is None:
         if N0 != B:
@@ -676,24 +670,7 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
         if sl.max(initial=0) > S1:
             raise ValueError(f"{OP}: seq_lens up to {int(sl.max())} exceed the cache's S_max = {S1}")
     else:
-        bs = S1
-        if bs not in BLOCK_SIZES:
-            raise ValueError(f"{OP}: block_size (kv_cache.shape[1]) must be one of "
-                             f"{', '.join(map(str, BLOCK_SIZES))}; got {bs}")
-        bt = host_ints(OP, "block_table", block_table)
-        if bt.ndim != 2 or bt.shape[0] != B:
-            raise ValueError(f"{OP}: block_table must be [B={B}, max_blocks]; got shape "
-                             f"{list(bt.shape)}")
-        cap = bt.shape[1] * bs
-        if sl.max(initial=0) > cap:
-            raise ValueError(f"{OP}: seq_lens up to {int(sl.max())} exceed the block table's "
-                             f"capacity {bt.shape[1]} blocks x {bs} = {cap} tokens")
-        for b in range(B):
-            used = bt[b, :-(-int(sl[b]) // bs)]
-            if used.size and (used.min() < 0 or used.max() >= N0):
-                raise ValueError(f"{OP}: block_table[{b}] has entries out of range [0, {N0}) "
-                                 f"(num_blocks); got {used.tolist()}")
-        bt = np.ascontiguousarray(bt.astype(np.int32))
+        bt, bs = check_block_table(OP, block_table, sl, shp, BLOCK_SIZES, "kv_cache")
     T = tokens_per_partition(1, D_QK, 1 if is_fp8 else 2, bs, max_len=int(sl.max(initial=1)))
     lay = KVLayout(bt is not None, bs or 0, 1, D_QK, T)
     items = plan_split_kv([int(x) for x in sl], lay.tile_keys, lnc, s_q=s_q)

@@ -38,6 +38,7 @@ from .._limits import P, sbuf_budget
 from .._validate import (
     FP8_KV,
     attention_options,
+    check_block_table,
     check_flag,
     check_no_grad,
     check_target,
@@ -429,31 +430,12 @@ def _check_inputs(op, q, k_cache, v_cache, block_table, seq_lens, query_start_lo
         raise ValueError(f"{op}: the cache's head_dim {dk} must equal q's head_dim {d}")
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"{op}: H_q ({Hq}) must be a multiple of the cache's H_kv ({Hkv})")
-    if bs not in BLOCK_SIZES:
-        raise ValueError(f"{op}: block_size (k_cache.shape[1]) must be one of "
-                         f"{', '.join(map(str, BLOCK_SIZES))}; got {bs}")
     if T < 1:
         raise ValueError(f"{op}: q holds no tokens (T = 0); call it with at least one query row")
     sl, qsl = _qsl_and_lens(op, seq_lens, query_start_loc)
     if qsl[-1] != T:
         raise ValueError(f"{op}: query_start_loc[-1] = {qsl[-1]} must equal q.shape[0] = T = {T}")
-    R = len(sl)
-    bt = host_ints(op, "block_table", block_table)
-    if bt.ndim != 2 or bt.shape[0] != R:
-        raise ValueError(f"{op}: block_table must be [R={R}, max_blocks]; got shape "
-                         f"{list(bt.shape)}")
-    cap = bt.shape[1] * bs
-    if max(sl, default=0) > cap:
-        raise ValueError(f"{op}: seq_lens up to {max(sl)} exceed the block table's capacity "
-                         f"{bt.shape[1]} blocks x {bs} = {cap} tokens")
-    for r, L in enumerate(sl):
-        used = bt[r, :-(-L // bs)]
-        if used.size and (used.min() < 0 or used.max() >= N0):
-            raise ValueError(f"{op}: block_table[{r}] has entries out of range [0, {N0}) "
-                             f"(num_blocks); got {used.tolist()}"[:300])
-    if N0 * bs * Hkv * d >= 2 ** 31:
-        raise ValueError(f"{op}: the paged cache has {N0 * bs * Hkv * d} elements; the page "
-                         f"offsets support < 2^31")
+    bt, bs = check_block_table(op, block_table, sl, k_cache.shape, BLOCK_SIZES, rows="R")
     return T, Hq, d, Hkv, bs, sl, qsl, bt
 
 
@@ -540,8 +522,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                             out_dtype=out_dtype, return_lse=bool(return_lse), fp8=is_fp8,
                             decode=tuple(dplans), rt_offsets=tuple(offs), chunks=plan.chunks,
                             chunk_plans=tuple(cplans))
-    bt_arg = np.ascontiguousarray(bt.astype(np.int32))
-    res = launch(paged_attention_kernel, q, k_cache, v_cache, bt_arg, rowtab, sk, cfg, lnc=lnc)
+    res = launch(paged_attention_kernel, q, k_cache, v_cache, bt, rowtab, sk, cfg, lnc=lnc)
     return tuple(res) if return_lse else res
 
 
