@@ -41,7 +41,7 @@ from .kv_cache import (
 from .masks import mask_range_select
 from .merge_attention_states import merge_states_sb
 from .softmax import M_FLOOR, SoftmaxState
-from .split_kv import WorkItem, plan_split_kv
+from .split_kv import WorkItem, empty_rows, merge_split, plan_split_kv, split_parts
 
 P = 128
 HEAD_DIMS = (64, 128, 192, 256)
@@ -195,46 +195,16 @@ def decode_attention_kernel(q, k_cache, v_cache, block_table, rowtab, cfg):
     programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
     pid = nl.program_id(axis=0) if nl.program_ndim() else 0
     mine = cfg.items[pid]
-    split = [it for prog in cfg.items for it in prog if it.n_parts > 1 and it.part > 0]
-    parts_hbm = None
-    if split:
-        # partial states of split sequences: o (unnormalised, fp32), m, l per (item, group)
-        parts_hbm = nl.ndarray((len(split), cfg.n_groups, P, d + 2), dtype=nl.float32,
-                               buffer=nl.shared_hbm)
+    split, parts_hbm = split_parts(cfg.items, cfg.n_groups, d)
     ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)                   # [128, 128]
     if pid == 0:
-        _empty_rows(out, lse, cfg)
+        empty_rows(out, lse, cfg.seq_lens, s_q * Hq, d, cfg.out_dtype)
     run = _Run(q, k_cache, v_cache, block_table, rowtab, out, lse, parts_hbm, split, ident, cfg)
     run.items(mine)
-    if split and programs > 1:
-        nisa.core_barrier(data=parts_hbm, cores=(0, 1))
-    if split:
-        run.merge_owned([it for it in mine if it.n_parts > 1 and it.part == 0])
+    merge_split(run, mine, split, parts_hbm, programs)
     if cfg.return_lse:
         return out, lse
     return out
-
-
-def _empty_rows(out, lse, cfg):
-    """Sequences of length 0: output 0, lse -inf."""
-    n = cfg.s_q * cfg.Hq
-    empty = [b for b in range(cfg.B) if cfg.seq_lens[b] == 0]
-    if not empty:
-        return
-    rows = min(P, n)
-    z = nl.ndarray((rows, cfg.d), dtype=cfg.out_dtype, buffer=nl.sbuf)
-    nisa.memset(dst=z, value=0.0, engine=nisa.engine.gpsimd)
-    zl = None
-    if lse is not None:
-        zl = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=zl, value=-np.inf, engine=nisa.engine.gpsimd)
-    for b in empty:
-        flat = out[b].reshape((n, cfg.d))
-        for r0 in range(0, n, P):
-            r = min(P, n - r0)
-            nisa.dma_copy(dst=flat[r0:r0 + r, :], src=z[0:r, :])
-            if zl is not None:
-                nisa.dma_copy(dst=lse[b].reshape((n, 1))[r0:r0 + r, :], src=zl[0:r, :])
 
 
 class _Group:

@@ -51,6 +51,7 @@ from .flash_attention import plan_flash_attention, run_kv_group
 from .kv_cache import BLOCK_SIZES, KVLayout
 from .masks import MaskSpec
 from .schedule import assign_programs, kv_chunks, prefill_units
+from .split_kv import merge_split, split_parts
 
 HEAD_DIMS = (64, 128, 192, 256)
 DECODE_MAX_Q = 8          # longest q_len that takes the decode path (decode_attention's s_q limit)
@@ -304,11 +305,7 @@ def paged_attention_kernel(q, k_cache, v_cache, block_table, rowtab, sinks, cfg)
     ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)                   # [128, 128]
     runs = []
     for ci, dp in enumerate(cfg.decode):
-        split = [it for prog in dp.items for it in prog if it.n_parts > 1 and it.part > 0]
-        parts = None
-        if split:
-            parts = nl.ndarray((len(split), dp.n_groups, P, d + 2), dtype=nl.float32,
-                               buffer=nl.shared_hbm)
+        split, parts = split_parts(dp.items, dp.n_groups, d)
         o0 = cfg.rt_offsets[ci]
         rt = rowtab[:, o0:o0 + dp.B, 0:dp.n_groups, :]
         run = _Run(q, k_cache, v_cache, block_table, rt, out, lse, parts, split, ident, dp)
@@ -318,10 +315,7 @@ def paged_attention_kernel(q, k_cache, v_cache, block_table, rowtab, sinks, cfg)
         _chunk_request(q, k_cache, v_cache, block_table, sinks, out, lse, ident, ch, plans, cfg,
                        programs, pid)
     for run, dp, split, parts in runs:
-        if split and programs > 1:
-            nisa.core_barrier(data=parts, cores=(0, 1))
-        if split:
-            run.merge_owned([it for it in dp.items[pid] if it.n_parts > 1 and it.part == 0])
+        merge_split(run, dp.items[pid], split, parts, programs)
     if cfg.return_lse:
         return out, lse
     return out

@@ -24,7 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..backend import nl
+import numpy as np
+
+from ..backend import nisa, nl
+
+P = 128
 
 
 @dataclass(frozen=True)
@@ -86,3 +90,49 @@ def plan_split_kv(seq_lens, tile_keys: int, n_programs: int = 1, *, s_q: int = 1
         load[p] += pc[2] - pc[1]
     return tuple(tuple(WorkItem(*pc, owner[pc]) for pc in pieces if owner[pc] == p)
                  for p in range(n_programs))
+
+
+# ------------------------------------------------------------------------------ kernel helpers
+
+
+def split_parts(items, n_groups: int, width: int):
+    """The parts (not the first) of split sequences, which leave partial softmax states, and their
+    shared HBM home ``[parts, n_groups, 128, width + 2]`` fp32 (o unnormalised, m, l), or
+    ``([], None)`` when nothing is split."""
+    split = [it for prog in items for it in prog if it.n_parts > 1 and it.part > 0]
+    if not split:
+        return split, None
+    return split, nl.ndarray((len(split), n_groups, P, width + 2), dtype=nl.float32,
+                             buffer=nl.shared_hbm)
+
+
+def merge_split(run, mine, split, parts, programs: int):
+    """After this program's items: with LNC=2 a barrier (the other core's parts are in HBM), then
+    ``run`` merges the parts of every split sequence whose first part this program ran."""
+    if not split:
+        return
+    if programs > 1:
+        nisa.core_barrier(data=parts, cores=(0, 1))
+    run.merge_owned([it for it in mine if it.n_parts > 1 and it.part == 0])
+
+
+def empty_rows(out, lse, seq_lens, n: int, width: int, out_dtype):
+    """Sequences of length 0: their ``n`` output rows ``out[b]`` (``[.., width]``) get 0 and lse
+    -inf."""
+    empty = [b for b, L in enumerate(seq_lens) if L == 0]
+    if not empty:
+        return
+    r = min(P, n)
+    z = nl.ndarray((r, width), dtype=out_dtype, buffer=nl.sbuf)
+    nisa.memset(dst=z, value=0.0, engine=nisa.engine.gpsimd)
+    zl = None
+    if lse is not None:
+        zl = nl.ndarray((r, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=zl, value=-np.inf, engine=nisa.engine.gpsimd)
+    for b in empty:
+        flat = out[b].reshape((n, width))
+        for r0 in range(0, n, P):
+            k = min(P, n - r0)
+            nisa.dma_copy(dst=flat[r0:r0 + k, :], src=z[0:k, :])
+            if zl is not None:
+                nisa.dma_copy(dst=lse[b].reshape((n, 1))[r0:r0 + k, :], src=zl[0:k, :])
