@@ -18,7 +18,7 @@ No new attention code: each request takes the path built for its shape.
   whole-tile causal skipping, the four-stage software pipeline) on views of the ragged rows, with
   K^T / V loaded from the paged cache one page at a time (a scalar dynamic offset read from the
   block table in SBUF addresses each page; no gather descriptors), keys on partitions, then K^T
-  by SBUF->SBUF DMA transposes. FP8 pages are cast to bf16 by the DMA; ``k_scale`` folds into
+  by SBUF->SBUF DMA transposes. FP8 pages are cast to bf16 on GpSimd; ``k_scale`` folds into
   the logit scale of its KV head, ``v_scale`` into the final normalisation.
 
 :func:`plan_paged_attention` is the host schedule (which request takes which path, the decode KV
@@ -204,7 +204,7 @@ def plan_paged_attention(seq_lens, query_start_loc, block_size, num_q_heads, num
                 raise ValueError(f"{op}: request {r} has q_len = {q_len}; a contiguous cache "
                                  f"(block_size None) serves decode batches only (q_len <= "
                                  f"{DECODE_MAX_Q})")
-            chunks.append(ChunkRequest(r, qsl[r], q_len, L, _resident_keys(gen, d, L)))
+            chunks.append(ChunkRequest(r, qsl[r], q_len, L, _resident_keys(gen, d, L, isz)))
     decode = []
     for s_q in sorted(by_q):
         reqs = tuple(by_q[s_q])
@@ -217,15 +217,15 @@ def plan_paged_attention(seq_lens, query_start_loc, block_size, num_q_heads, num
                               decode=tuple(decode), chunks=tuple(chunks))
 
 
-def _resident_keys(gen, d, seq_len):
+def _resident_keys(gen, d, seq_len, isz):
     """Keys of one KV head kept resident in SBUF per pass of a chunk request: flash attention's
     choice for this length, planned with the options that need the most SBUF (soft-cap, sinks,
-    lse). The bf16 staging copy of K (about the size of V) is counted as one more byte per key
-    element."""
+    lse). The bf16 staging copy of K (about the size of V) counts as one more byte per key
+    element, the raw FP8 K and V pages as one more."""
     fp = plan_flash_attention(gen, d, seq_len, causal=True, window=None, softcap=1.0, scale=1.0,
                               has_sinks=True, return_lse=True, k_layout="bhsd",
                               out_dtype=nl.bfloat16, sbuf_budget=sbuf_budget(),
-                              in_bytes=3)
+                              in_bytes=4 if isz == 1 else 3)
     return fp.chunk
 
 
@@ -357,7 +357,9 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
 
     One DMA per page for K and one for V (pages of 256 keys: per 128 keys), addressed by the
     page's block-table entry in ``bt_sb`` (a scalar dynamic offset), keys on partitions; FP8
-    pages are cast to bf16 by the DMA. K lands in a staging tile and K^T is made by SBUF->SBUF
+    pages land raw and GpSimd casts them to bf16 (a DMA that casts cannot use the hardware DGE,
+    nki-spec 5.3: a dynamically addressed one would need the software DGE). K lands in a staging
+    tile and K^T is made by SBUF->SBUF
     DMA transposes of KV_PIECE tiles at a time: a page's own K^T transpose would move
     ``block_size * 2``-byte runs per partition, far below the DMA's efficient descriptor size
     (64 keys: 128 B; modeled 699 vs 660 us on the 2K chunk over 8K row, Trn3). ``c0`` is a
@@ -371,6 +373,10 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
     vs = nl.ndarray((P, nt, d + 1), dtype=dtype, buffer=nl.sbuf)              # [128, nt, d+1]
     nisa.memset(dst=vs[:, :, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
     kst = nl.ndarray((P, nt, d), dtype=dtype, buffer=nl.sbuf)                 # [128, nt, d]
+    k_in, v_in = kst, vs[:, :, 0:d]
+    if cfg.fp8:           # raw FP8 pages (a casting DMA needs the software DGE), cast on GpSimd
+        k_in = nl.ndarray((P, nt, d), dtype=k_cache.dtype, buffer=nl.sbuf)    # [128, nt, d]
+        v_in = nl.ndarray((P, nt, d), dtype=v_cache.dtype, buffer=nl.sbuf)
     kp = k_cache.reshape((k_cache.shape[0], bs * row))                        # [num_blocks, page]
     vp = v_cache.reshape((v_cache.shape[0], bs * row))
     done_t = 0
@@ -382,14 +388,29 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
             m = min(P, bs - s0, C - base - s0)
             t, p0 = (base + s0) // P, (base + s0) % P
             off = (s0 * Hkv + hk) * d
-            for dst, pages in ((kst[p0:p0 + m, t, :], kp), (vs[p0:p0 + m, t, 0:d], vp)):
+            for dst, pages in ((k_in[p0:p0 + m, t, :], kp), (v_in[p0:p0 + m, t, :], vp)):
                 nisa.dma_copy(dst=dst, src=pages.ap([[row, m], [1, d]], offset=off,
                                                     scalar_offset=reg, indirect_dim=0))
         ready = min(C, base + bs) // P              # whole tiles staged so far
-        if ready - done_t >= KV_PIECE or j == last_page:
-            _stage_kT(kT, kst, done_t, ready, C, d, DT, j == last_page)
+        last = j == last_page
+        if ready - done_t >= KV_PIECE or last:
+            if cfg.fp8:
+                _cast_tiles(kst, vs, k_in, v_in, done_t, ready, C if last else ready * P, d)
+            _stage_kT(kT, kst, done_t, ready, C, d, DT, last)
             done_t = ready
     return kT, vs
+
+
+def _cast_tiles(kst, vs, k8, v8, t0, t1, c_end, d):
+    """FP8 K / V tiles [t0, t1) (and the keys of a partial tile up to ``c_end``) to bf16
+    (GpSimd, otherwise idle in the prefill tiles)."""
+    for dst, src in ((kst, k8), (vs, v8)):
+        if t1 > t0:
+            nisa.tensor_copy(dst=dst[:, t0:t1, 0:d], src=src[:, t0:t1, :],
+                             engine=nisa.engine.gpsimd)
+        r = c_end - t1 * P
+        if 0 < r < P:
+            nisa.tensor_copy(dst=dst[0:r, t1, 0:d], src=src[0:r, t1, :], engine=nisa.engine.gpsimd)
 
 
 def _stage_kT(kT, kst, t0, t1, C, d, DT, last):
