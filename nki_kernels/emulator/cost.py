@@ -672,7 +672,11 @@ class _Costs:
         # who triggers it
         dge = a.get("dge", "unknown")
         issuer = a.get("issuer", "unknown")
-        if dge == "swdge" or (a.get("indirect") and ins.opcode != "sendrecv"):
+        # a casting DMA cannot use the hardware DGE (nki-spec 5.3); with a runtime (dynamic)
+        # address it needs the software DGE, like an indirect one; static ones keep their
+        # compiler-built descriptors
+        cast_dyn = a.get("cast") and a.get("dynamic")
+        if dge == "swdge" or cast_dyn or (a.get("indirect") and ins.opcode != "sendrecv"):
             it.issuer = "gpsimd"                                       # SW DGE on GpSimd [D DGE]
             it.occ = (cp.swdge_start_cycles + cp.swdge_cycles_per_desc * n_desc) / cp.f_pool
         elif dge == "hwdge" and issuer == "scalar":

@@ -565,3 +565,33 @@ def test_a_row_gather_costs_its_rows_not_its_index():
     # descriptors: 128 (index, 4 B each) + 128 gathered rows + 128 stored rows
     assert rep.dma_descriptors == 3 * 128
     assert rep.total_ns < 40_000                               # was ~1 ms at 4-byte descriptors
+
+
+def test_a_casting_dma_with_a_runtime_address_runs_on_the_software_dge():
+    """nki-spec 5.3: a DMA that casts cannot use the hardware DGE. With a dynamic (runtime)
+    address its descriptors come from the software DGE on GpSimd, as an indirect DMA's do; the
+    same copy without the cast, or with a static address, keeps GpSimd idle."""
+    @jit
+    def pages(cache, which, cast, dynamic):
+        bt = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=bt, src=which)
+        dst = nl.ndarray((128, 64), nl.bfloat16 if cast else cache.dtype, buffer=nl.sbuf)
+        flat = cache.reshape((cache.shape[0], 128 * 64))
+        src = (flat.ap([[64, 128], [1, 64]], offset=0, scalar_offset=bt[0:1, 0:1], indirect_dim=0)
+               if dynamic else cache[1])
+        nisa.dma_copy(dst=dst, src=src)
+        out = nl.ndarray((128, 64), dst.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=dst)
+        return out
+
+    cache = np.random.default_rng(0).standard_normal((4, 128, 64)).astype(ml_dtypes.float8_e4m3)
+    which = np.array([[1]], dtype=np.int32)
+    busy = {}
+    for cast in (False, True):
+        for dynamic in (False, True):
+            with trace() as tr:
+                out = pages(cache, which, cast, dynamic)
+            np.testing.assert_array_equal(out.astype(np.float32), cache[1].astype(np.float32))
+            busy[cast, dynamic] = model_trace(tr, "trn2").engine_busy_ns.get("gpsimd", 0.0)
+    assert busy[True, True] > 0
+    assert busy[False, True] == busy[True, False] == busy[False, False] == 0

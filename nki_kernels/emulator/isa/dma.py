@@ -99,4 +99,5 @@ def _record(I, dst, src, dge, eng, priority, name, skipped=False):
     return emit("dma", "dma_copy", [("src", src)], [("dst", dst)],
                 {"dge": dge.name, "issuer": eng.name, "priority": priority, "skipped": skipped,
                  "indirect": dst._vec is not None or src._vec is not None,
+                 "dynamic": bool(dst._dyn or src._dyn),
                  "cast": dst.dtype is not src.dtype}, name)
