@@ -6,14 +6,17 @@ NaN in every slot no request owns (free pages, page tails) and junk past each bl
 pages. Cross-checks: a batch equal to one prefill matches ``flash_attention``, a batch of decodes
 matches ``decode_attention`` on the same paged cache, a prefix + chunk matches the last rows of the
 whole prompt's prefill. GQA / MHA, sliding window, soft-cap, sinks, lse, FP8 caches (per-tensor and
-per-head scales), plan reuse across layers and a mismatched plan, every refusal; both targets.
+per-head scales), every draft length and the decode path's row limit, a chunk longer than one
+SBUF pass, LNC=2, views and torch inputs, plan reuse across layers (and by decode_attention) and
+mismatched plans, every refusal, the bench's fast rows (its model rows: slow); both targets.
 
 The reference itself is checked first (against the decode and flash references, request by
 request), so a kernel failure points at the kernel.
 
 Accuracy rule (reference/compare.py): kernel error <= 2 x the error of a same-precision reference
-(probabilities rounded to bf16 for P @ V) + 1e-3, both against a float64 reference; lse by the
-same rule; NaN / inf positions must match (a NaN read from a page the request does not own shows).
+(probabilities rounded to bf16 for P @ V, the denominator their sum) + 1e-3, both against a
+float64 reference; lse by the same rule; NaN / inf positions must match (a NaN read from a page
+the request does not own shows).
 """
 import ml_dtypes
 import numpy as np
