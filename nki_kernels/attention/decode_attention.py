@@ -468,17 +468,19 @@ class _Run:
         cfg, lay, DT = self.cfg, job.lay, self.DT
         T, npp, ncol, kt = lay.T, job.npp, job.ncol, job.kt
         fp8 = kt.dtype not in (nl.bfloat16, nl.float16)
+        # FP8 K^T by a matmul with the identity: bf16 PSUM where the target has it (Trn3; every
+        # e4m3fn value is a bf16 value, so exact), half the eviction bytes of fp32
+        tp_dt = (nl.bfloat16 if nisa.get_nc_version() >= 4 else nl.float32) if fp8 else kt.dtype
         job.kTs = []
         for h in job.grp.heads:
             kT = nl.ndarray((P, DT, lay.tile_keys), dtype=nl.bfloat16 if fp8 else kt.dtype,
                             buffer=nl.sbuf)                                      # [d, DT, 128T]
             for dt in range(DT):
                 dsz = min(P, cfg.d - dt * P)
-                grpn = TR_GROUP // 2 if fp8 else TR_GROUP
+                grpn = TR_GROUP // 2 if tp_dt is nl.float32 else TR_GROUP
                 for t0 in range(0, T, grpn):
                     t1 = min(T, t0 + grpn)
-                    tp = nl.ndarray((P, t1 - t0, P), dtype=nl.float32 if fp8 else kt.dtype,
-                                    buffer=nl.psum)
+                    tp = nl.ndarray((P, t1 - t0, P), dtype=tp_dt, buffer=nl.psum)
                     for t in range(t0, t1):
                         src = kt[0:npp, t, h, dt * P:dt * P + dsz]
                         if fp8:
