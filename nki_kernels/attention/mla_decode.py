@@ -382,20 +382,23 @@ class _Run:
         """K^T of the whole 576-wide latent tile, ``[576 (5 chunks), 128 T]``, key order restored
         on eviction (column p T + t comes from transpose t of partition p); packed tiles keep the
         slice order (column t 128 + p: each slot's slices are one contiguous run). FP8: by matmul
-        with the identity (fp32 PSUM), the partial partition's tail zeroed at load."""
+        with the identity (fp32 PSUM, bf16 on Trn3), the partial partition's tail zeroed at
+        load."""
         lay = self.lay
         T = lay.T
         npp = -(-n // T)
         ncol = npp * T
         c = tile.c
         kT = nl.ndarray((P, DT, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [576, 128T]
-        grpn = TR_GROUP // 2 if self.fp8 else TR_GROUP
+        # FP8: bf16 PSUM where the target has it (Trn3; e4m3fn values are bf16 values: exact)
+        tp_dt = (nl.bfloat16 if nisa.get_nc_version() >= 4 else nl.float32) if self.fp8 \
+            else c.dtype
+        grpn = TR_GROUP // 2 if tp_dt is nl.float32 else TR_GROUP
         for dt in range(DT):
             dsz = min(P, D_QK - dt * P)
             for t0 in range(0, T, grpn):
                 t1 = min(T, t0 + grpn)
-                tp = nl.ndarray((P, t1 - t0, P), dtype=nl.float32 if self.fp8 else c.dtype,
-                                buffer=nl.psum)
+                tp = nl.ndarray((P, t1 - t0, P), dtype=tp_dt, buffer=nl.psum)
                 for t in range(t0, t1):
                     src = c[0:npp, t, 0, dt * P:dt * P + dsz]
                     if self.fp8:
