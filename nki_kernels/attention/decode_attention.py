@@ -525,8 +525,16 @@ class _Run:
             nisa.activation(dst=Xv, op=nl.tanh, data=S[0:rows, 0:ncol], scale=qk)
             mask_range_select(Xv, Xv, lo, hi, k0, reduce_res=sm.max_slot())
         elif masked:
-            nisa.tensor_scalar(dst=Xv, data=S[0:rows, 0:ncol], op0=nl.multiply, operand0=qk)
-            mask_range_select(Xv, Xv, lo, hi, k0, reduce_res=sm.max_slot())
+            # keys every row sees (before the first draft's diagonal, no window cut) take the
+            # fused pass; only the tail is masked
+            c = 0 if (cfg.window and k0 < L - cfg.window) else max(0, min(ncol, L - cfg.s_q + 1 - k0))
+            if c:
+                nisa.tensor_scalar_reduce(dst=X[:, 0:c], data=S[0:rows, 0:c], op0=nl.multiply,
+                                          operand0=qk, reduce_op=nl.maximum,
+                                          reduce_res=sm.max_slot())
+            Xt = X[:, c:ncol]
+            nisa.tensor_scalar(dst=Xt, data=S[0:rows, c:ncol], op0=nl.multiply, operand0=qk)
+            mask_range_select(Xt, Xt, lo, hi, k0 + c, reduce_res=sm.max_slot())
         else:
             nisa.tensor_scalar_reduce(dst=Xv, data=S[0:rows, 0:ncol], op0=nl.multiply,
                                       operand0=qk, reduce_op=nl.maximum,
