@@ -38,7 +38,7 @@ from .kv_cache import (
     page_rows,
     tokens_per_partition,
 )
-from .masks import mask_range_select
+from .masks import mask_range_select, scale_mask_max
 from .merge_attention_states import merge_states_sb
 from .softmax import M_FLOOR, SoftmaxState
 from .split_kv import WorkItem, empty_rows, merge_split, plan_split_kv, split_parts
@@ -524,21 +524,14 @@ class _Run:
         if cfg.softcap:
             nisa.activation(dst=Xv, op=nl.tanh, data=S[0:rows, 0:ncol], scale=qk)
             mask_range_select(Xv, Xv, lo, hi, k0, reduce_res=sm.max_slot())
-        elif masked:
+        else:
             # keys every row sees (before the first draft's diagonal, no window cut) take the
             # fused pass; only the tail is masked
-            c = 0 if (cfg.window and k0 < L - cfg.window) else max(0, min(ncol, L - cfg.s_q + 1 - k0))
-            if c:
-                nisa.tensor_scalar_reduce(dst=X[:, 0:c], data=S[0:rows, 0:c], op0=nl.multiply,
-                                          operand0=qk, reduce_op=nl.maximum,
-                                          reduce_res=sm.max_slot())
-            Xt = X[:, c:ncol]
-            nisa.tensor_scalar(dst=Xt, data=S[0:rows, c:ncol], op0=nl.multiply, operand0=qk)
-            mask_range_select(Xt, Xt, lo, hi, k0 + c, reduce_res=sm.max_slot())
-        else:
-            nisa.tensor_scalar_reduce(dst=Xv, data=S[0:rows, 0:ncol], op0=nl.multiply,
-                                      operand0=qk, reduce_op=nl.maximum,
-                                      reduce_res=sm.max_slot())
+            full = ncol
+            if masked:
+                full = 0 if (cfg.window and k0 < L - cfg.window) else \
+                    max(0, min(ncol, L - cfg.s_q + 1 - k0))
+            scale_mask_max(X, S, qk, lo, hi, k0, ncol, full, sm.max_slot)
         del S
         sm.combine_max()
         neg = sm.neg_max()

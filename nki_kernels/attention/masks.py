@@ -105,6 +105,22 @@ def mask_range_select(dst, src, lo, hi, k_abs0: int, reduce_res=None):
                       reduce_op=nl.maximum, range_start=k_abs0, on_false_value=FP32_MIN)
 
 
+def scale_mask_max(X, S, scale, lo, hi, k_abs0: int, width: int, full: int, max_slot):
+    """Scores out of PSUM: ``X[:, :width] = scale * S[:, :width]`` with the row maxes into
+    ``max_slot()`` columns; columns ``[full, width)`` masked to each row's keys ``[lo, hi]``
+    (``k_abs0`` is column 0's key). Columns before ``full`` (seen by every row) take one fused
+    VectorE pass, the masked tail a scale pass and a ``range_select``. ``scale``: a float or a
+    ``[rows, 1]`` column; ``full`` = ``width``: no mask."""
+    rows = X.shape[0]
+    if full:
+        nisa.tensor_scalar_reduce(dst=X[:, 0:full], data=S[0:rows, 0:full], op0=nl.multiply,
+                                  operand0=scale, reduce_op=nl.maximum, reduce_res=max_slot())
+    if full < width:
+        Xt = X[:, full:width]
+        nisa.tensor_scalar(dst=Xt, data=S[0:rows, full:width], op0=nl.multiply, operand0=scale)
+        mask_range_select(Xt, Xt, lo, hi, k_abs0 + full, reduce_res=max_slot())
+
+
 def mask_affine_select(dst, src, spec: MaskSpec, q0: int, k_abs0: int, rows: int, width: int):
     """The same mask with GpSimd ``affine_select`` (SBUF only): one instruction per active bound
     (causal: ``pos(p) - k >= 0``; window: ``k - pos(p) + w - 1 >= 0``)."""

@@ -33,7 +33,7 @@ import numpy as np
 from .._validate import check_block_table, check_decode_lens, check_target, dtype_name, is_torch
 from ..backend import launch, nisa, nki, nl
 from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, load_kv_tile_pages, tokens_per_partition
-from .masks import mask_range_select
+from .masks import scale_mask_max
 from .merge_attention_states import merge_states_sb
 from .softmax import SoftmaxState
 from .split_kv import empty_rows, merge_split, plan_split_kv, split_parts
@@ -433,18 +433,12 @@ class _Run:
                 yield
         sm = grp.sm
         L = cfg.seq_lens[job.it.b]
-        masked = k0 + ncol - 1 > L - cfg.s_q
         X = nl.ndarray((rows, lay.tile_keys), dtype=nl.float32, buffer=nl.sbuf)
         Xv = X[:, 0:ncol]
-        if masked:
-            nisa.tensor_scalar(dst=Xv, data=S[0:rows, 0:ncol], op0=nl.multiply,
-                               operand0=cfg.qk_mul)
-            mask_range_select(Xv, Xv, grp.rt[0:rows, C_LO:C_LO + 1], grp.rt[0:rows, C_HI:C_HI + 1],
-                              k0, reduce_res=sm.max_slot())
-        else:
-            nisa.tensor_scalar_reduce(dst=Xv, data=S[0:rows, 0:ncol], op0=nl.multiply,
-                                      operand0=cfg.qk_mul, reduce_op=nl.maximum,
-                                      reduce_res=sm.max_slot())
+        # keys before the first draft's diagonal: one fused pass; the tail masked
+        full = max(0, min(ncol, L - cfg.s_q + 1 - k0))
+        scale_mask_max(X, S, cfg.qk_mul, grp.rt[0:rows, C_LO:C_LO + 1],
+                       grp.rt[0:rows, C_HI:C_HI + 1], k0, ncol, full, sm.max_slot)
         sm.combine_max()
         neg = sm.neg_max()
         Pm = nl.ndarray((rows, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [rows, 128T]
