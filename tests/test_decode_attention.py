@@ -92,6 +92,29 @@ def test_gqa_mixed_lengths(tgt, rng, bs):
     _run(q, k, v, lens, bs)
 
 
+@pytest.mark.parametrize("s_q, bs, lnc, opts", [
+    (1, None, 1, {}), (1, 64, 1, {"sinks": True}), (2, 16, 1, {}), (1, None, 2, {}),
+    (1, 32, 1, {"window": 2500})])
+def test_one_kv_head_packed_slots(tgt, rng, s_q, bs, lnc, opts):
+    """One KV head (Llama-3-70B TP8 / MQA): full unmasked tiles spread their token slices over
+    the four PE column tiles (the head's rows in each, a softmax state per slot, folded at the
+    end); masked and last tiles keep the row layout. The case must take the packed path."""
+    from nki_kernels.attention.decode_attention import DecodePlan, decode_schedule, slot_width
+    lens = [4100, 6000, 17]
+    Hq = 8
+    lay, items = decode_schedule(lens, s_q, Hq, 1, 128, 2, bs, opts.get("window"), lnc)
+    W = slot_width(Hq * s_q)
+    plan = DecodePlan(B=3, s_q=s_q, Hq=Hq, Hkv=1, d=128, W=W, nslot=128 // W, layout=lay,
+                      seq_lens=tuple(lens), items=items, window=0, softcap=0.0, has_sinks=False,
+                      has_vscale=False, return_lse=True, out_dtype=None, kt_act=0.5)
+    assert plan.packed and max(lens) > 2 * lay.tile_keys, (lay, plan.nslot)
+    q, k, v = _inputs(rng, 3, s_q, Hq, 1, 128, lens)
+    kw = dict(opts)
+    if kw.pop("sinks", False):
+        kw["sinks"] = rng.standard_normal(Hq).astype(np.float32)
+    _run(q, k, v, lens, bs, lnc=lnc, **kw)
+
+
 def test_vector_gather(tgt, rng, monkeypatch):
     """The software-DGE form of the paged gather (row indices built on chip from the table)."""
     from nki_kernels.attention import decode_attention as mod

@@ -122,6 +122,25 @@ class DecodePlan(nl.NKIObject):
     def group_heads(self, g: int):
         return list(range(g * self.nslot, min(self.Hkv, (g + 1) * self.nslot)))
 
+    @property
+    def packed(self) -> bool:
+        """One KV head and room for more slots (Llama-3-70B TP8, MQA): full tiles spread their
+        token slices over all ``nslot`` PE column tiles, the head's rows repeated in each (own
+        softmax state per slot, merged at the end); masked and last tiles keep the row layout."""
+        return self.Hkv == 1 and self.nslot > 1 and self.layout.T % self.nslot == 0
+
+    @property
+    def Ts(self) -> int:
+        """Token slices of a packed tile per slot."""
+        return self.layout.T // self.nslot
+
+    def slots_of(self, g: int):
+        """``(slot, head)`` of every slot with query rows: the heads of the row group, or in a
+        packed plan the one head in every slot."""
+        if self.packed:
+            return [(s, 0) for s in range(self.nslot)]
+        return list(enumerate(self.group_heads(g)))
+
     def table_row(self, b: int) -> int:
         return self.bt_rows[b] if self.bt_rows else b
 
@@ -252,8 +271,9 @@ def _table_row(block_table, it, lay, row):
 class _Job:
     """One (KV tile, row group) job between its pipeline stages."""
 
-    def __init__(self, it, grp, kt, vt, k0, n, lay):
+    def __init__(self, it, grp, kt, vt, k0, n, lay, packed=False):
         self.it, self.grp, self.kt, self.vt, self.k0, self.n = it, grp, kt, vt, k0, n
+        self.packed = packed
         self.lay = lay                       # this tile's geometry (ramp pieces: smaller T)
         self.npp = -(-n // kt.shape[1])      # partitions holding keys of this tile
         self.ncol = self.npp * kt.shape[1]   # score columns (key k0 + c; c >= n masked)
@@ -329,6 +349,7 @@ class _Run:
 
         jobs = [(j, gi) for j in range(len(tiles)) for gi in range(self.cfg.n_groups)]
         state = {}
+        deferred = []
         steps = len(jobs) + LAGS[-1]
         for step in range(steps):
             ja, jd = step - LAGS[0], step - LAGS[3]
@@ -340,14 +361,15 @@ class _Run:
                 kt, vt = loaded[j]["k"], loaded[j]["v"]
                 if c == 0:
                     self.ready(mine[ii], groups[ii][gi])
-                state[ja] = _Job(mine[ii], groups[ii][gi], kt, vt, k0, n, lay)
+                state[ja] = _Job(mine[ii], groups[ii][gi], kt, vt, k0, n, lay,
+                                 self._packs(mine[ii], k0, n, last))
                 gen_a = self.stage_kT(state[ja])
                 if gi == self.cfg.n_groups - 1:
                     loaded.pop(j)
             done = None
             if 0 <= jd < len(jobs):
                 done = state.pop(jd)
-                gen_d = self.stage_pv(done)
+                gen_d = (self.stage_pv_packed if done.packed else self.stage_pv)(done)
             # per step: A(j), B(j-1), C(j-2), D(j-3). (Weaving A's K^T transposes between D's
             # PV matmuls, for Trn3's background transposes, modeled slower: 112 vs 85 us on
             # Llama-3-8B B=1 L=8K -- A waits for its tile's DMA and held the PV matmuls back.)
@@ -355,14 +377,27 @@ class _Run:
             for stage in (1, 2):
                 ji = step - LAGS[stage]
                 if 0 <= ji < len(jobs):
-                    (self.stage_softmax if stage == 1 else self.stage_pT)(state[ji])
+                    job = state[ji]
+                    if stage == 1:
+                        (self.stage_softmax_packed if job.packed else self.stage_softmax)(job)
+                    else:
+                        (self.stage_pT_packed if job.packed else self.stage_pT)(job)
             _weave(gen_d, None, 1)
             if done is not None:
                 self.stage_accumulate(done)
                 j, gi = jobs[jd]
                 ii, c, k0, n, last = tiles[j]
                 if last and gi == self.cfg.n_groups - 1:
-                    self.finish(done.it, groups.pop(ii))
+                    grps = groups.pop(ii)
+                    if any(g.psm is not None for g in grps):
+                        deferred.append((done.it, grps))
+                    else:
+                        self.finish(done.it, grps)
+        # packed items fold their slots with SBUF-to-SBUF DMAs: after the last tile's loads, so
+        # they never queue behind the next items' prefetched KV (70B TP8 B=8 L=8K paged: 247
+        # -> 170 us, Trn3 modeled)
+        for it, grps in deferred:
+            self.finish(it, grps)
 
     # -- per item ---------------------------------------------------------------------------------
     def start(self, it):
@@ -377,7 +412,7 @@ class _Run:
             q_sb = nl.ndarray((P, cfg.d), dtype=self.q.dtype, buffer=nl.sbuf)          # [128, d]
             if cfg.rows < cfg.W or rows < P:
                 nisa.memset(dst=q_sb, value=0.0, engine=nisa.engine.gpsimd)
-            for s, h in enumerate(heads):
+            for s, h in cfg.slots_of(g):
                 src = cfg.rows_of(self.q, it.b)[:, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))
                 r0 = s * cfg.W + cfg.row_off(it.b)
                 nisa.dma_copy(dst=q_sb[r0:r0 + cfg.rows, :], src=src)
@@ -391,21 +426,43 @@ class _Run:
         """Q^T (TensorE transpose of the slot-packed rows) and the softmax state of a group."""
         cfg = self.cfg
         rows, q_sb = grp.rows, grp.q_sb
+        width = P if cfg.packed else rows              # packed: the rows of every slot
         qT = nl.ndarray((P, self.DT, P), dtype=self.q.dtype, buffer=nl.sbuf)       # [d, DT, rows]
         tq = nl.ndarray((P, self.DT, P), dtype=self.q.dtype, buffer=nl.psum)
         for dt in range(self.DT):
             dsz = min(P, cfg.d - dt * P)
-            nisa.nc_transpose(dst=tq[0:dsz, dt, 0:rows], data=q_sb[0:rows, dt * P:dt * P + dsz],
+            nisa.nc_transpose(dst=tq[0:dsz, dt, 0:width], data=q_sb[0:width, dt * P:dt * P + dsz],
                               engine=nisa.engine.tensor)
-            nisa.tensor_copy(dst=qT[0:dsz, dt, 0:rows], src=tq[0:dsz, dt, 0:rows],
+            nisa.tensor_copy(dst=qT[0:dsz, dt, 0:width], src=tq[0:dsz, dt, 0:width],
                              engine=nisa.engine.vector)
         grp.qT, grp.q_sb = qT, None
+        grp.psm = None                                 # the packed slots' state, if any
         sink = grp.rt[0:rows, C_SINK:C_SINK + 1] if cfg.has_sinks and it.part == 0 else None
         grp.sm = SoftmaxState(rows, cfg.d, cfg.xmul, sink=sink, sum_in_o=False)
+
+    def merge_slots(self, grp):
+        """Fold the packed slots' states (slot s: partitions ``[s W, (s + 1) W)``, its share of
+        the full tiles' keys) into the row state (slot 0's partitions): slot 0 in place, the
+        others moved there by an SBUF-to-SBUF DMA first (exact log-sum-exp merges)."""
+        cfg, psm, W = self.cfg, grp.psm, self.cfg.W
+        for s in range(cfg.nslot):
+            a = s * W
+            if s == 0:
+                merge_states_sb(grp.sm, psm.o[0:W, :], psm.mp[0:W, 0:1], psm.l[0:W, :])
+                continue
+            st = nl.ndarray((W, cfg.d + 2), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=st[:, 0:cfg.d], src=psm.o[a:a + W, :])
+            nisa.dma_copy(dst=st[:, cfg.d:cfg.d + 1], src=psm.mp[a:a + W, 0:1])
+            nisa.dma_copy(dst=st[:, cfg.d + 1:cfg.d + 2], src=psm.l[a:a + W, :])
+            merge_states_sb(grp.sm, st[:, 0:cfg.d], st[:, cfg.d:cfg.d + 1],
+                            st[:, cfg.d + 1:cfg.d + 2])
+        grp.psm = None
 
     def finish(self, it, groups):
         cfg = self.cfg
         for grp in groups:
+            if grp.psm is not None:
+                self.merge_slots(grp)
             sm = grp.sm
             if it.n_parts > 1 and it.part > 0:
                 k = self.split.index(it)
@@ -490,8 +547,12 @@ class _Run:
                             nisa.nc_transpose(dst=tp[0:dsz, t - t0, 0:npp], data=src,
                                               engine=nisa.engine.tensor)
                         yield
-                    dstv = kT[0:dsz, dt, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
-                    self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
+                    if job.packed:       # transpose order: column t*128 + p (slot s: slices
+                        dstv = kT[0:dsz, dt, t0 * P:t1 * P].reshape_dim(1, (t1 - t0, P))
+                        self._evict(dstv, tp[0:dsz, :, :])       # [s Ts, (s+1) Ts) together)
+                    else:
+                        dstv = kT[0:dsz, dt, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
+                        self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
             job.kTs.append(kT)
 
     def stage_softmax(self, job):
@@ -580,9 +641,84 @@ class _Run:
 
     def stage_accumulate(self, job):
         """o = alpha o + O (VectorE), issued after the step's other ScalarE/VectorE work."""
-        job.grp.sm.accumulate_o(job.O[0:job.grp.rows, :], job.alpha, mode="stt",
-                                copy_engine="vector")
+        if job.packed:
+            job.grp.psm.accumulate_o(job.O, job.alpha, mode="stt", copy_engine="vector")
+        else:
+            job.grp.sm.accumulate_o(job.O[0:job.grp.rows, :], job.alpha, mode="stt",
+                                    copy_engine="vector")
         job.O = None
+
+    # -- packed tiles (one KV head: its rows repeated in every PE column tile) ----------------
+    def _packs(self, it, k0, n, last):
+        """Whether a tile runs packed: a packed plan, a full tile that is not its item's last,
+        and no row needs a mask in it (before the drafts' diagonal, inside every window)."""
+        cfg = self.cfg
+        if not cfg.packed or last or n != self.lay.tile_keys:
+            return False
+        L = cfg.seq_lens[it.b]
+        return k0 + n - 1 <= L - cfg.s_q and not (cfg.window and k0 < L - cfg.window)
+
+    def stage_softmax_packed(self, job):
+        """Slot s scores its token slices ``[s Ts, (s + 1) Ts)`` of the tile (columns
+        ``tt * 128 + p``: key ``k0 + p T + s Ts + tt``) against the head's rows repeated in its
+        PE column tile; one softmax pass over all 128 partitions (each slot its own state)."""
+        cfg, DT = self.cfg, self.DT
+        W, Ts, grp = cfg.W, cfg.Ts, job.grp
+        kT = job.kTs[0]
+        ncol = Ts * P
+        S = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.psum)              # [slots, Ts 128]
+        for dt in range(DT):
+            dsz = min(P, cfg.d - dt * P)
+            for s in range(cfg.nslot):            # slots innermost: their matmuls overlap
+                r0 = s * W
+                nisa.nc_matmul(dst=S[r0:r0 + W, :], stationary=grp.qT[0:dsz, dt, r0:r0 + W],
+                               moving=kT[0:dsz, dt, s * ncol:(s + 1) * ncol], accumulate=dt > 0,
+                               tile_position=(0, r0), tile_size=(P, W))
+        job.kTs = None
+        if grp.psm is None:
+            grp.psm = SoftmaxState(P, cfg.d, cfg.xmul, sum_in_o=False)
+        sm = grp.psm
+        X = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=X, data=S, op0=nl.multiply,
+                                  operand0=grp.rt[:, C_QK:C_QK + 1], reduce_op=nl.maximum,
+                                  reduce_res=sm.max_slot())
+        del S
+        sm.combine_max()
+        neg = sm.neg_max()
+        Pm = nl.ndarray((P, ncol), dtype=nl.bfloat16, buffer=nl.sbuf)           # [slots, Ts 128]
+        rowsum = sm.exp_rows([(Pm, X)], "scalar", neg_max=neg, with_sum=True)
+        job.alpha = sm.rescale_factor("scalar", neg)
+        sm.mark_started()
+        sm.update_sum(rowsum, job.alpha)
+        job.Pm = Pm
+
+    def stage_pT_packed(self, job):
+        """P^T of all slots at once: one 128 x 128 transpose per slice of a slot."""
+        Ts = self.cfg.Ts
+        tp = nl.ndarray((P, Ts, P), dtype=nl.bfloat16, buffer=nl.psum)
+        for tt in range(Ts):
+            nisa.nc_transpose(dst=tp[:, tt, :], data=job.Pm[:, tt * P:(tt + 1) * P],
+                              engine=nisa.engine.tensor)
+        pT = nl.ndarray((P, Ts, P), dtype=nl.bfloat16, buffer=nl.sbuf)           # [keys, Ts, slots]
+        self._evict(pT, tp)
+        job.Pm = None
+        job.pT = pT
+
+    def stage_pv_packed(self, job):
+        """O[s W + r] = sum over slot s's slices of P^T.T @ V[:, s Ts + tt] (PE column tiles).
+        A generator: yields after each slice."""
+        cfg = self.cfg
+        W, Ts = cfg.W, cfg.Ts
+        O = nl.ndarray((P, cfg.d), dtype=nl.float32, buffer=nl.psum)              # [slots, d]
+        for tt in range(Ts):
+            for s in range(cfg.nslot):
+                r0 = s * W
+                nisa.nc_matmul(dst=O[r0:r0 + W, :], stationary=job.pT[:, tt, r0:r0 + W],
+                               moving=job.vt[:, s * Ts + tt, 0, :], accumulate=tt > 0,
+                               tile_position=(0, r0), tile_size=(P, W))
+            yield
+        job.pT = None
+        job.O = O
 
     def _evict(self, dst, src):
         """PSUM -> SBUF copies spread over ScalarE and VectorE (share cfg.kt_act on ScalarE)."""
@@ -713,7 +849,7 @@ def row_table(plan: DecodePlan, scale, k_scale, v_scale, sinks):
     tab[..., C_SINK] = M_FLOOR
     for b, L in enumerate(plan.seq_lens):
         for g in range(plan.n_groups):
-            for s, h in enumerate(plan.group_heads(g)):
+            for s, h in plan.slots_of(g):
                 for gg in range(plan.G):
                     for i in range(plan.s_q):
                         r = s * plan.W + plan.row_off(b) + gg * plan.s_q + i
