@@ -67,6 +67,10 @@ from .dtypes import NkiDtype as dtype  # noqa: E402,F401
 language_dtypes = types.ModuleType("nki.language.dtypes")
 for _d in _dt.ALL:
     setattr(language_dtypes, _d.name, _d)
+    # ``import nki.dtype as nt`` binds the package attribute ``nki.dtype`` (the dtype class, also
+    # the annotation type), and NKI Library then reads ``nt.float8_e4m3``: the class carries the
+    # dtype names too
+    setattr(dtype, _d.name, _d)
 language_dtypes.NkiDtype = _dt.NkiDtype
 language_dtypes.dtype = _dt.NkiDtype
 language.dtypes = language_dtypes

@@ -128,6 +128,22 @@ def test_module_table_covers_the_harness_imports():
         emu.collectives.all_gather()
 
 
+def test_import_nki_dtype_as_module_names_the_dtypes():
+    """NKI Library writes ``import nki.dtype as nt; nt.float8_e4m3`` (qkv_tkg's static quant):
+    ``import a.b as c`` binds the package attribute ``nki.dtype``, which is also the dtype
+    (annotation) class; it must carry every dtype name and stay the class of the dtypes."""
+    code = textwrap.dedent("""
+        import nki_kernels.emulator as emu
+        emu.install(force=True)
+        import nki.dtype as nt
+        import nki.language as nl
+        print(nt.float8_e4m3 is nl.float8_e4m3, nt.bfloat16 is nl.bfloat16,
+              isinstance(nl.int32, nt))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split() == ["True", "True", "True"], out.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------------ outputs
 def _rope_like(x, out):
     t = nl.ndarray(x.shape, x.dtype)
