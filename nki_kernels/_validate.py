@@ -208,7 +208,8 @@ def check_block_table(op, block_table, lens, cache_shape, block_sizes, cache_nam
     top = max((int(x) for x in lens), default=0)
     if top > cap:
         raise ValueError(f"{op}: seq_lens up to {top} exceed the block table's capacity "
-                         f"{bt.shape[1]} blocks x {bs} = {cap} tokens")
+                         f"{bt.shape[1]} blocks x {bs} = {cap} tokens (block_table is "
+                         f"[{n}, {bt.shape[1]}])")
     for r, L in enumerate(lens):
         used = bt[r, :-(-int(L) // bs)]
         if used.size and (used.min() < 0 or used.max() >= n0):

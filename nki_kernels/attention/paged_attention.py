@@ -442,7 +442,7 @@ def _check_inputs(op, q, k_cache, v_cache, block_table, seq_lens, query_start_lo
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     N0, bs, Hkv, dk = (int(x) for x in k_cache.shape)
     if dk != d:
-        raise ValueError(f"{op}: the cache's head_dim {dk} must equal q's head_dim {d}")
+        raise ValueError(f"{op}: k_cache's head_dim {dk} must equal q's head_dim {d}")
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"{op}: H_q ({Hq}) must be a multiple of the cache's H_kv ({Hkv})")
     if T < 1:
