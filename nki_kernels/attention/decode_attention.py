@@ -41,7 +41,15 @@ from .kv_cache import (
 from .masks import mask_range_select, scale_mask_max
 from .merge_attention_states import merge_states_sb
 from .softmax import M_FLOOR, SoftmaxState
-from .split_kv import WorkItem, empty_rows, merge_split, plan_split_kv, split_parts
+from .split_kv import (
+    WorkItem,
+    empty_rows,
+    fold_slots,
+    merge_split,
+    plan_split_kv,
+    split_parts,
+    transpose_slots,
+)
 
 P = 128
 HEAD_DIMS = (64, 128, 192, 256)
@@ -440,29 +448,12 @@ class _Run:
         sink = grp.rt[0:rows, C_SINK:C_SINK + 1] if cfg.has_sinks and it.part == 0 else None
         grp.sm = SoftmaxState(rows, cfg.d, cfg.xmul, sink=sink, sum_in_o=False)
 
-    def merge_slots(self, grp):
-        """Fold the packed slots' states (slot s: partitions ``[s W, (s + 1) W)``, its share of
-        the full tiles' keys) into the row state (slot 0's partitions): slot 0 in place, the
-        others moved there by an SBUF-to-SBUF DMA first (exact log-sum-exp merges)."""
-        cfg, psm, W = self.cfg, grp.psm, self.cfg.W
-        for s in range(cfg.nslot):
-            a = s * W
-            if s == 0:
-                merge_states_sb(grp.sm, psm.o[0:W, :], psm.mp[0:W, 0:1], psm.l[0:W, :])
-                continue
-            st = nl.ndarray((W, cfg.d + 2), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=st[:, 0:cfg.d], src=psm.o[a:a + W, :])
-            nisa.dma_copy(dst=st[:, cfg.d:cfg.d + 1], src=psm.mp[a:a + W, 0:1])
-            nisa.dma_copy(dst=st[:, cfg.d + 1:cfg.d + 2], src=psm.l[a:a + W, :])
-            merge_states_sb(grp.sm, st[:, 0:cfg.d], st[:, cfg.d:cfg.d + 1],
-                            st[:, cfg.d + 1:cfg.d + 2])
-        grp.psm = None
-
     def finish(self, it, groups):
         cfg = self.cfg
         for grp in groups:
-            if grp.psm is not None:
-                self.merge_slots(grp)
+            if grp.psm is not None:      # the packed slots' states into the row state
+                fold_slots(grp.sm, grp.psm, cfg.nslot, cfg.W, grp.rows)
+                grp.psm = None
             sm = grp.sm
             if it.n_parts > 1 and it.part > 0:
                 k = self.split.index(it)
@@ -594,13 +585,8 @@ class _Run:
                     max(0, min(ncol, L - cfg.s_q + 1 - k0))
             scale_mask_max(X, S, qk, lo, hi, k0, ncol, full, sm.max_slot)
         del S
-        sm.combine_max()
-        neg = sm.neg_max()
         Pm = nl.ndarray((rows, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [rows, 128T]
-        rowsum = sm.exp_rows([(Pm[:, 0:ncol], Xv)], "scalar", neg_max=neg, with_sum=True)
-        job.alpha = sm.rescale_factor("scalar", neg)
-        sm.mark_started()
-        sm.update_sum(rowsum, job.alpha)
+        job.alpha = sm.exp_block(Pm[:, 0:ncol], Xv)
         job.Pm = Pm
 
     def stage_pT(self, job):
@@ -683,26 +669,14 @@ class _Run:
                                   operand0=grp.rt[:, C_QK:C_QK + 1], reduce_op=nl.maximum,
                                   reduce_res=sm.max_slot())
         del S
-        sm.combine_max()
-        neg = sm.neg_max()
         Pm = nl.ndarray((P, ncol), dtype=nl.bfloat16, buffer=nl.sbuf)           # [slots, Ts 128]
-        rowsum = sm.exp_rows([(Pm, X)], "scalar", neg_max=neg, with_sum=True)
-        job.alpha = sm.rescale_factor("scalar", neg)
-        sm.mark_started()
-        sm.update_sum(rowsum, job.alpha)
+        job.alpha = sm.exp_block(Pm, X)
         job.Pm = Pm
 
     def stage_pT_packed(self, job):
         """P^T of all slots at once: one 128 x 128 transpose per slice of a slot."""
-        Ts = self.cfg.Ts
-        tp = nl.ndarray((P, Ts, P), dtype=nl.bfloat16, buffer=nl.psum)
-        for tt in range(Ts):
-            nisa.nc_transpose(dst=tp[:, tt, :], data=job.Pm[:, tt * P:(tt + 1) * P],
-                              engine=nisa.engine.tensor)
-        pT = nl.ndarray((P, Ts, P), dtype=nl.bfloat16, buffer=nl.sbuf)           # [keys, Ts, slots]
-        self._evict(pT, tp)
+        job.pT = transpose_slots(job.Pm, self.cfg.Ts, self._evict)
         job.Pm = None
-        job.pT = pT
 
     def stage_pv_packed(self, job):
         """O[s W + r] = sum over slot s's slices of P^T.T @ V[:, s Ts + tt] (PE column tiles).

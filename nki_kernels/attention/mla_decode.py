@@ -36,7 +36,14 @@ from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, load_kv_tile_pages, t
 from .masks import scale_mask_max
 from .merge_attention_states import merge_states_sb
 from .softmax import SoftmaxState
-from .split_kv import empty_rows, merge_split, plan_split_kv, split_parts
+from .split_kv import (
+    empty_rows,
+    fold_slots,
+    merge_split,
+    plan_split_kv,
+    split_parts,
+    transpose_slots,
+)
 
 P = 128
 D_LATENT = 512        # c_kv: K (first part) and V
@@ -313,28 +320,11 @@ class _Run:
             groups.append(_Group(g, r0, rows, qT, rt, sm, psm))
         return groups
 
-    def merge_slots(self, grp):
-        """Fold the packed slots' states (slot s: partitions ``[s W, s W + rows)``, its share of
-        the full tiles' keys) into the row state: slot 0 in place, the others moved to
-        partitions ``[0, rows)`` by an SBUF-to-SBUF DMA first (exact log-sum-exp merges)."""
-        psm, rows, W = grp.psm, grp.rows, self.cfg.W
-        for s in range(self.cfg.nslot):
-            a = s * W
-            if s == 0:
-                merge_states_sb(grp.sm, psm.o[0:rows, :], psm.mp[0:rows, 0:1], psm.l[0:rows, :])
-                continue
-            st = nl.ndarray((rows, D_LATENT + 2), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=st[:, 0:D_LATENT], src=psm.o[a:a + rows, :])
-            nisa.dma_copy(dst=st[:, D_LATENT:D_LATENT + 1], src=psm.mp[a:a + rows, 0:1])
-            nisa.dma_copy(dst=st[:, D_LATENT + 1:D_LATENT + 2], src=psm.l[a:a + rows, :])
-            merge_states_sb(grp.sm, st[:, 0:D_LATENT], st[:, D_LATENT:D_LATENT + 1],
-                            st[:, D_LATENT + 1:D_LATENT + 2])
-
     def finish(self, it, groups):
         for grp in groups:
             sm = grp.sm
             if grp.psm is not None:
-                self.merge_slots(grp)
+                fold_slots(grp.sm, grp.psm, self.cfg.nslot, self.cfg.W, grp.rows)
             if it.n_parts > 1 and it.part > 0:
                 k = self.split.index(it)
                 st = nl.ndarray((grp.rows, D_LATENT + 2), dtype=nl.float32, buffer=nl.sbuf)
@@ -439,13 +429,8 @@ class _Run:
         full = max(0, min(ncol, L - cfg.s_q + 1 - k0))
         scale_mask_max(X, S, cfg.qk_mul, grp.rt[0:rows, C_LO:C_LO + 1],
                        grp.rt[0:rows, C_HI:C_HI + 1], k0, ncol, full, sm.max_slot)
-        sm.combine_max()
-        neg = sm.neg_max()
         Pm = nl.ndarray((rows, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [rows, 128T]
-        rowsum = sm.exp_rows([(Pm[:, 0:ncol], Xv)], "scalar", neg_max=neg, with_sum=True)
-        job.alpha = sm.rescale_factor("scalar", neg)
-        sm.mark_started()
-        sm.update_sum(rowsum, job.alpha)
+        job.alpha = sm.exp_block(Pm[:, 0:ncol], Xv)
         job.Pm = Pm
 
     def stage_pT(self, job):
@@ -504,26 +489,14 @@ class _Run:
         X = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar_reduce(dst=X, data=S, op0=nl.multiply, operand0=cfg.qk_mul,
                                   reduce_op=nl.maximum, reduce_res=sm.max_slot())
-        sm.combine_max()
-        neg = sm.neg_max()
-        Pm = nl.ndarray((P, ncol), dtype=nl.bfloat16, buffer=nl.sbuf)
-        rowsum = sm.exp_rows([(Pm, X)], "scalar", neg_max=neg, with_sum=True)
-        job.alpha = sm.rescale_factor("scalar", neg)
-        sm.mark_started()
-        sm.update_sum(rowsum, job.alpha)
+        Pm = nl.ndarray((P, ncol), dtype=nl.bfloat16, buffer=nl.sbuf)           # [slots, Ts 128]
+        job.alpha = sm.exp_block(Pm, X)
         job.Pm = Pm
 
     def stage_pT_packed(self, job):
         """P^T of all slots at once: one 128 x 128 transpose per slice of a slot."""
-        Ts = self.cfg.Ts
-        tp = nl.ndarray((P, Ts, P), dtype=nl.bfloat16, buffer=nl.psum)
-        for tt in range(Ts):
-            nisa.nc_transpose(dst=tp[:, tt, :], data=job.Pm[:, tt * P:(tt + 1) * P],
-                              engine=nisa.engine.tensor)
-        pT = nl.ndarray((P, Ts, P), dtype=nl.bfloat16, buffer=nl.sbuf)           # [keys, Ts, slots]
-        self._evict(pT, tp)
+        job.pT = transpose_slots(job.Pm, self.cfg.Ts, self._evict)
         job.Pm = None
-        job.pT = pT
 
     def stage_pv_packed(self, job):
         """O[s W + r] = sum over slot s's slices of P^T.T @ C[:, t, 0:512] (PE column tiles)."""

@@ -207,6 +207,18 @@ class SoftmaxState:
     def denominator(self):
         return self.o[:, self.d:self.d + 1] if self.sum_in_o else self.l
 
+    def exp_block(self, p_dst, x_src):
+        """One block of a state whose sum is kept apart (``sum_in_o=False``), its partial maxes
+        already reduced into ``max_slot()`` columns: ``m_new``, ``p = exp(xmul (x - m_new))``
+        (ScalarE, row sums fused), ``l = alpha l + sum p``. Returns ``alpha`` for the O update."""
+        self.combine_max()
+        neg = self.neg_max()
+        rowsum = self.exp_rows([(p_dst, x_src)], "scalar", neg_max=neg, with_sum=True)
+        alpha = self.rescale_factor("scalar", neg)
+        self.mark_started()
+        self.update_sum(rowsum, alpha)
+        return alpha
+
     def finalize(self, out_sb, lse_sb=None, out_scale=None):
         """``out = o / l`` (VectorE, cast to ``out_sb``'s dtype; times ``out_scale``, a float,
         when given: an FP8 V's dequantization scale) and ``lse = xmul * m + ln l`` (ScalarE

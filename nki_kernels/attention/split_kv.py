@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import nisa, nl
+from .merge_attention_states import merge_states_sb
 
 P = 128
 
@@ -136,3 +137,36 @@ def empty_rows(out, lse, seq_lens, n: int, width: int, out_dtype):
             nisa.dma_copy(dst=flat[r0:r0 + k, :], src=z[0:k, :])
             if zl is not None:
                 nisa.dma_copy(dst=lse[b].reshape((n, 1))[r0:r0 + k, :], src=zl[0:k, :])
+
+
+# ------------------------------------------------------ packed slots (split-KV in a row group)
+
+
+def transpose_slots(Pm, Ts: int, evict):
+    """P^T of a packed tile's ``[128 rows (all slots), Ts 128]`` probabilities: one 128 x 128
+    TensorE transpose per slice, evicted by ``evict(dst, src)``; ``[keys, Ts, slots]`` bf16."""
+    tp = nl.ndarray((P, Ts, P), dtype=nl.bfloat16, buffer=nl.psum)
+    for tt in range(Ts):
+        nisa.nc_transpose(dst=tp[:, tt, :], data=Pm[:, tt * P:(tt + 1) * P],
+                          engine=nisa.engine.tensor)
+    pT = nl.ndarray((P, Ts, P), dtype=nl.bfloat16, buffer=nl.sbuf)               # [keys, Ts, slots]
+    evict(pT, tp)
+    return pT
+
+
+def fold_slots(sm, psm, nslot: int, W: int, rows: int):
+    """Fold the packed slots' states into the row state ``sm`` (partitions ``[0, rows)``): slot
+    s holds its share of the full tiles' keys on partitions ``[s W, s W + rows)``; slot 0 merges
+    in place, the others are moved to partitions ``[0, rows)`` by SBUF-to-SBUF DMAs first
+    (exact log-sum-exp merges). ``sm`` must have started."""
+    d = sm.d
+    for s in range(nslot):
+        a = s * W
+        if s == 0:
+            merge_states_sb(sm, psm.o[0:rows, :], psm.mp[0:rows, 0:1], psm.l[0:rows, :])
+            continue
+        st = nl.ndarray((rows, d + 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=st[:, 0:d], src=psm.o[a:a + rows, :])
+        nisa.dma_copy(dst=st[:, d:d + 1], src=psm.mp[a:a + rows, 0:1])
+        nisa.dma_copy(dst=st[:, d + 1:d + 2], src=psm.l[a:a + rows, :])
+        merge_states_sb(sm, st[:, 0:d], st[:, d:d + 1], st[:, d + 1:d + 2])
