@@ -411,6 +411,9 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
     elements per partition whatever the pass width.
     double_row: FP8 operands, k-tiles paired into a contraction of 256 (``xT`` and the weights
     padded with zeros to an even number of k-tiles).
+    first: the list ``prefetch_weights`` returned for this pass; gemm_pass empties it (takes the
+    chunks over), so the prefetched chunk is released after its last matmul, not at the end of
+    the pass.
     Returns one PSUM tensor ``[128, nf, Tp]`` fp32 per weight.
     """
     nf = len(widths)
@@ -429,7 +432,8 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
         work = [(ch, list(range(nf)), None) for ch in chunks]
     for wi, ((k0, kn), fs, _) in enumerate(work):
         if wi == 0 and first is not None:
-            w_sbs = first
+            w_sbs = list(first)
+            first.clear()   # the caller's list too: the chunk dies after its last matmul
         elif tiled:
             w_sbs = [_load_weight_tile(w, c0 // P + fs[0], k0, kn) for w in ws]
         else:

@@ -197,6 +197,7 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
                 _gate_evict(hp, sg, acc_u, widths, tb, q, i0, 0)
                 q.track_max(hmax, hp, tb, pi == 0)
                 h_parts.append((i0, i1, hp))
+                del hp   # h_parts holds it until quantize_h, no longer
             else:
                 _gate_evict(hT, sg, acc_u, widths, tb, None, i0, i0)
             del acc_u, sg
@@ -366,13 +367,16 @@ class _Fp8:
         hq = nl.ndarray((P, KIe, tb), dtype=self.dtype, buffer=nl.sbuf)      # [128, KIe, tb]
         if KIe > KI:
             nisa.memset(dst=hq[:, KI:KIe, :], value=0.0)
-        for n, (i0, i1, hp) in enumerate(h_parts):
+        n = 0
+        while h_parts:   # each part is released once quantized
+            i0, i1, hp = h_parts.pop(0)
             # VectorE and GpSimd (SBUF operands only) alternate: the down GEMM consumes the
             # parts in order, faster than one engine alone produces them
             eng = nisa.engine.gpsimd if n % 2 else nisa.engine.vector
             nisa.tensor_tensor(dst=hq[:, i0:i1, :], data1=hp,
                                data2=Binv.expand_dim(1).broadcast(1, i1 - i0), op=nl.multiply,
                                engine=eng)
+            n += 1
         return hq, B
 
 
