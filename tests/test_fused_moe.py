@@ -1,14 +1,21 @@
 """fused_moe against its NumPy reference, both regimes and both targets: random routing, all
 tokens on one expert, every expert chosen by exactly one token, experts chosen by no token (never
 read: checked in the trace's DMA rows), EP shards that sum to the unsharded result, a shared
-expert, FP8 (row-major and tile-major) weights, torch inputs, and every refusal."""
+expert, FP8 (row-major and tile-major) weights, MXFP8 weights on Trn3 (decode, prefill, shared
+expert, EP shards, unread experts, refusals), torch inputs, and every refusal."""
 import ml_dtypes
 import numpy as np
 import pytest
 
 from nki_kernels import fused_moe, tile_expert_weights, tile_weight
 from nki_kernels.emulator import target, trace
-from nki_kernels.moe.fused_moe import choose_blocks, plan_prefill_routing
+from nki_kernels.moe.fused_moe import (
+    choose_blocks,
+    interleave_down_rows,
+    plan_prefill_routing,
+    quantize_expert_weights_mx,
+)
+from nki_kernels.quant.mxfp8_matmul import MXTensor, quantize_weights_mx
 from nki_kernels.reference.compare import assert_rows_close, cosine_similarity
 from nki_kernels.reference.fused_moe import fused_moe_ref
 from nki_kernels.reference.shapes import FAST, ODD, QWEN3_30B_A3B
@@ -298,3 +305,154 @@ def test_rejects_fp8_misuse(rng):
     with pytest.raises(ValueError, match=r"FP8 weights need hidden and expert sizes that are "
                                          r"multiples of 128; got H=200, I=128"):
         fused_moe(xo, np.zeros((4, 200, 256), E4M3), np.zeros((4, 128, 200), E4M3), w, ids, **kw)
+
+
+# ---------------------------------------------------------------------------- MXFP8 (Trn3)
+def _mx_case(rng, T, H, I, E, k, shared_I=0):
+    """bf16 x, MXFP8 experts (quantize_expert_weights_mx), random routing."""
+    x = rng.standard_normal((T, H)).astype(BF16)
+    wgu, wd = _weights(rng, E, H, I)
+    g, d = quantize_expert_weights_mx(wgu, wd)
+    w, ids = _routing(rng, T, E, k)
+    kw = {}
+    if shared_I:
+        sg, sd = _weights(rng, 1, H, shared_I)
+        kw["shared"] = quantize_expert_weights_mx(sg[0], sd[0])
+    return x, g, d, w, ids, kw
+
+
+def _run_mx(x, g, d, w, ids, regime, **kw):
+    with target("trn3"):
+        y = fused_moe(x, g, d, w, ids, regime=regime, **kw)
+    assert y.shape == x.shape and y.dtype == BF16
+    ref_kw = dict(kw)
+    if "shared" in kw:
+        ref_kw["shared"] = tuple(tuple(a) for a in kw["shared"])
+    ref = fused_moe_ref(x, tuple(g), tuple(d), w, ids, **ref_kw)
+    assert_rows_close(y, ref, what=f"y (MX, {regime})")
+    return y
+
+
+def test_mx_host_layout(rng):
+    """gate|up: quantize_weights_mx of each expert, stacked; down: of its interleaved rows."""
+    wgu, wd = _weights(rng, 2, 256, 384)
+    g, d = quantize_expert_weights_mx(wgu, wd)
+    assert g.data.shape == (2, 128, 768) and g.scale.shape == (2, 64, 768) and g.k == 256
+    assert d.data.shape == (2, 128, 256) and d.scale.shape == (2, 64, 256) and d.k == 384
+    ref = quantize_weights_mx(wgu[1], "e4m3fn")
+    np.testing.assert_array_equal(g.data[1], ref.data)
+    np.testing.assert_array_equal(g.scale[1], ref.scale)
+    inter = interleave_down_rows(wd[1])             # row 512c + 4p + q = w[128(4c+q) + p]
+    assert inter.shape == (512, 256)
+    np.testing.assert_array_equal(inter[4 * 5 + 2], wd[1][128 * 2 + 5].astype(np.float32))
+    assert not inter[4 * 7 + 3].any()               # tile 3 does not exist (I = 384)
+    np.testing.assert_array_equal(d.data[1], quantize_weights_mx(inter).data)
+
+
+@pytest.mark.parametrize("regime,T,H,I,E,k,sh", [
+    ("decode", 5, 384, 384, 8, 2, 0),       # H % 512 != 0 (a 96-partition chunk), I/128 = 3
+    ("decode", 33, 256, 640, 4, 2, 128),    # two down chunks (the second with one tile), shared
+    ("prefill", 150, 256, 256, 4, 2, 0),    # uneven expert loads, blocks padded
+    ("prefill", 40, 512, 128, 4, 1, 128),   # a shared expert in prefill
+])
+def test_mx(rng, regime, T, H, I, E, k, sh):
+    x, g, d, w, ids, kw = _mx_case(rng, T, H, I, E, k, sh)
+    _run_mx(x, g, d, w, ids, regime, **kw)
+
+
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_mx_all_tokens_on_one_expert(rng, regime):
+    T = 40 if regime == "decode" else 140
+    x, g, d, _, _, _ = _mx_case(rng, T, 256, 128, 4, 1)
+    ids = np.full((T, 1), 2, np.int32)
+    _run_mx(x, g, d, rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32), ids, regime)
+
+
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_mx_unchosen_experts_are_not_read(rng, regime):
+    """The HBM reads of the MX data and scale images are exactly those of experts 3, 7, 12,
+    each read once."""
+    E, H, I, T = 16, 256, 384, 6
+    x, g, d, _, _, _ = _mx_case(rng, T, H, I, E, 2)
+    ids = np.array([[3, 7], [7, 3], [3, 12], [12, 7], [3, 7], [7, 12]], np.int32)
+    w = np.full((T, 2), 0.5, np.float32)
+    with target("trn3"), trace() as t:
+        fused_moe(x, g, d, w, ids, regime=regime)
+    per_expert = {a.data[0].nbytes: ("data", 128) for a in (g, d)}
+    per_expert.update({a.scale[0].nbytes: ("scale", 64) for a in (g, d)})
+    rows = {}
+    for ins in t:
+        if ins.engine == "dma":
+            for op in ins.reads:
+                if op.buffer.endswith("hbm"):
+                    rows.setdefault(op.alloc, []).append((op.partitions, op.nbytes))
+    totals = {a: sum(n for _, n in v) for a, v in rows.items()}
+    found = {a: n for a, n in totals.items() if n % 3 == 0 and n // 3 in per_expert}
+    assert len(found) == 4, totals             # gate|up and down, data and scales
+    for a, n in found.items():
+        span = per_expert[n // 3][1]           # rows of one expert in the [E, rows, X] arrays
+        seen = set()
+        for (lo, hi), _ in rows[a]:
+            assert (hi - 1) // span == lo // span
+            seen.add(lo // span)
+        assert seen == {3, 7, 12}
+
+
+def test_mx_ep_shards_sum_to_the_whole(rng):
+    E, ep = 8, 2
+    x, g, d, w, ids, _ = _mx_case(rng, 12, 256, 128, E, 3)
+    n = E // ep
+    parts = []
+    for r in range(ep):
+        sl = slice(r * n, (r + 1) * n)
+        gs = MXTensor(g.data[sl], g.scale[sl], g.fmt, g.k)
+        ds = MXTensor(d.data[sl], d.scale[sl], d.fmt, d.k)
+        parts.append(_run_mx(x, gs, ds, w, ids, "decode", expert_offset=r * n).astype(np.float32))
+    whole = fused_moe_ref(x, tuple(g), tuple(d), w, ids).astype(np.float32)
+    assert_rows_close(sum(parts).astype(BF16), whole, norm_tol=6.0, elem_tol=12.0,
+                      what="sum of MX EP shards")
+
+
+def test_mx_rejects(rng):
+    x, g, d, w, ids, _ = _mx_case(rng, 4, 256, 128, 4, 2)
+    with target("trn2"), pytest.raises(ValueError, match=r"fused_moe: MXFP8 expert weights "
+                                                         r"\(nc_matmul_mx / quantize_mx\) need Trn3"):
+        fused_moe(x, g, d, w, ids)
+    with target("trn3"):
+        wgu, wd = _weights(rng, 4, 256, 128)
+        with pytest.raises(TypeError, match=r"must come as a pair of MXTensor "
+                                            r"\(quantize_expert_weights_mx\); w_down is ndarray"):
+            fused_moe(x, g, wd.astype(BF16), w, ids)
+        bad = MXTensor(g.data.astype(np.int32), g.scale, g.fmt, g.k)
+        with pytest.raises(ValueError, match=r"w_gate_up.data must be uint32 \[E, 128, KT\*F\]"):
+            fused_moe(x, bad, d, w, ids)
+        bad = MXTensor(g.data, g.scale[:, :, :128], g.fmt, g.k)
+        with pytest.raises(ValueError, match=r"w_gate_up.scale must be uint8 \[4, 64, 256\]; got "
+                                             r"uint8 \[4, 64, 128\]"):
+            fused_moe(x, bad, d, w, ids)
+        bad = MXTensor(g.data, g.scale, g.fmt, 512)
+        with pytest.raises(ValueError, match=r"w_gate_up.k must be 256"):
+            fused_moe(x, bad, d, w, ids)
+        bad = MXTensor(d.data[:, :, :128], d.scale[:, :, :128], d.fmt, d.k)
+        with pytest.raises(ValueError, match=r"w_down must have 256 columns; got 128"):
+            fused_moe(x, g, bad, w, ids)
+        with pytest.raises(ValueError, match=r"w_down holds 3 experts but w_gate_up 4"):
+            fused_moe(x, g, MXTensor(d.data[:3], d.scale[:3], d.fmt, d.k), w, ids)
+        with pytest.raises(ValueError, match=r"share one MX format; got \['e4m3fn', 'e5m2'\]"):
+            fused_moe(x, g, MXTensor(d.data, d.scale, "e5m2", d.k), w, ids)
+        with pytest.raises(ValueError, match=r"MX format must be one of e4m3fn, e5m2; got 'e2m1'"):
+            fused_moe(x, g, MXTensor(d.data, d.scale, "e2m1", d.k), w, ids)
+        with pytest.raises(ValueError, match=r"gate_up_scale / down_scale / shared_scales are only "
+                                             r"for FP8 weights; MXFP8"):
+            fused_moe(x, g, d, w, ids, down_scale=np.ones((4, 256), np.float32))
+        with pytest.raises(ValueError, match=r"shared must be a pair of MXTensor"):
+            fused_moe(x, g, d, w, ids, shared=(wgu[0].astype(BF16), wd[0].astype(BF16)))
+        with pytest.raises(TypeError, match=r"fused_moe: x.dtype must be bfloat16; got float32"):
+            fused_moe(x.astype(np.float32), g, d, w, ids)
+        with pytest.raises(ValueError, match=r"topk_ids must be \[T, k\] with T = x.shape\[0\] = 4"):
+            fused_moe(x, g, d, w, ids[:3])
+    with pytest.raises(ValueError, match=r"quantize_expert_weights_mx: H and I must be positive "
+                                         r"multiples of 128; got H=256, I=100"):
+        quantize_expert_weights_mx(np.zeros((2, 256, 200)), np.zeros((2, 100, 256)))
+    with pytest.raises(ValueError, match=r"quantize_expert_weights_mx: fmt must be one of"):
+        quantize_expert_weights_mx(np.zeros((2, 256, 256)), np.zeros((2, 128, 256)), fmt="e2m1")

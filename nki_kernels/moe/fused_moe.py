@@ -29,7 +29,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import check_2d, check_dtype, check_no_grad, check_target, dtype_name, is_torch
+from .._validate import (
+    GEN_NAMES,
+    check_2d,
+    check_dtype,
+    check_no_grad,
+    check_target,
+    dtype_name,
+    is_torch,
+)
 from ..backend import launch, nisa, nki, nl
 from ..dense import _tiles as D
 from ..dense._tiles import P, cdiv, tile_weight
@@ -44,6 +52,7 @@ from ..dense.swiglu_mlp import (
     _x_block,
     _x_quantize,
 )
+from ..quant.mxfp8_matmul import CHUNK, MXTensor, _load_tiles, quantize_weights_mx
 
 try:                                   # the shared limits module (being introduced)
     from .._limits import sbuf_budget as _sbuf_budget
@@ -58,6 +67,9 @@ BLOCK_COST = 16                     # fixed cost of a block in token-times (plan
 RIDGE_TOKENS = 149       # Trn3 bf16 / FP8 ridge in tokens per weight stream (docs/dense.md)
 RIDGE_TOKENS_TRN2 = 217  # Trn2
 DMA_BYTES = 4096         # weight bytes per partition per transfer (8192: no gain, modeled)
+RIDGE_TOKENS_MX = 298    # Trn3 MXFP8: 4x the bf16 TensorE rate on 1-byte weights = 2x the bf16 ridge
+MX_DMA_BYTES = 8192      # MX weight bytes per partition per transfer (whole 128-column tiles)
+_MX_FMTS = {"e4m3fn": "float8_e4m3fn_x4", "e5m2": "float8_e5m2_x4"}
 
 
 # ------------------------------------------------------------------------------ host side
@@ -236,6 +248,100 @@ def tile_expert_weights(w):
     return np.stack([tile_weight(np.asarray(w)[e]) for e in range(shape[0])])
 
 
+# ---------------------------------------------------------------------------- MXFP8 (Trn3)
+def interleave_down_rows(w):
+    """``w_down [I, H]`` (I a multiple of 128) -> ``[512 * KC, H]``, KC = ceil(I / 512): row
+    ``512c + 4p + q`` = ``w[128(4c + q) + p]`` (zero where tile ``4c + q`` does not exist).
+
+    The MX tile layout packs rows ``512c + 4p + q`` (q = 0..3) into one x4 word on partition p.
+    The gate/up GEMMs leave h with row ``128j + p`` on partition p of tile j, so the down weight
+    is stored with its rows in this order: word (p, q) of chunk c then meets h tile ``4c + q``,
+    partition p, and h is quantized with no data movement across partitions. This is the x4
+    convention of ``nc_matmul_mx`` itself (four contraction rows 128 apart per word)."""
+    I, H = w.shape
+    KI = I // P
+    KC = cdiv(KI, 4)
+    out = np.zeros((KC, P, 4, H), np.float32)
+    t = np.asarray(w, np.float32).reshape(KI, P, H)
+    for j in range(KI):
+        out[j // 4, :, j % 4, :] = t[j]
+    return out.reshape(KC * CHUNK, H)
+
+
+def quantize_expert_weights_mx(w_gate_up, w_down, fmt="e4m3fn"):
+    """Offline MXFP8 quantization of MoE expert weights for ``fused_moe`` on Trn3 (host NumPy).
+
+    Args:
+      w_gate_up: ``[E, H, 2I]`` (or one expert ``[H, 2I]``: a shared expert) float array.
+      w_down: ``[E, I, H]`` (or ``[I, H]``). H and I multiples of 128.
+      fmt: "e4m3fn" (default) or "e5m2".
+    Returns:
+      ``(gate_up, down)``, two :class:`MXTensor` whose ``data`` / ``scale`` carry a leading
+      expert dim (none for 2-D inputs): gate_up = ``quantize_weights_mx(w_gate_up[e])`` stacked
+      (data uint32 ``[E, 128, KT(H) * 2I]``, scale uint8 ``[E, 64, SL(H) * 2I]``, k = H); down =
+      ``quantize_weights_mx(interleave_down_rows(w_down[e]))`` stacked (data ``[E, 128, KC * H]``,
+      scale ``[E, 64, SL(I) * H]``, k = I): the MX tile layout of ``mxfp8_matmul``
+      (docs/low-precision.md) with the down rows in the order of :func:`interleave_down_rows`.
+      Every MX block (32 values, one E8M0 scale) holds weights of one output column.
+    """
+    name = "quantize_expert_weights_mx"
+    f = str(fmt)
+    f = f[len("float8_"):] if f.startswith("float8_") else f
+    if f not in _MX_FMTS:
+        raise ValueError(f"{name}: fmt must be one of {', '.join(_MX_FMTS)}; got {fmt!r}")
+    g, d = _as_numpy_f(w_gate_up), _as_numpy_f(w_down)
+    if g.ndim != d.ndim or g.ndim not in (2, 3):
+        raise ValueError(f"{name}: w_gate_up / w_down must be [E, H, 2I] / [E, I, H] (or one "
+                         f"expert [H, 2I] / [I, H]); got shapes {list(g.shape)}, {list(d.shape)}")
+    one = g.ndim == 2
+    if one:
+        g, d = g[None], d[None]
+    E, H, I2 = g.shape
+    I = I2 // 2
+    if I2 % 2 or d.shape != (E, I, H):
+        raise ValueError(f"{name}: w_down must be [E, I, H] = {[E, I, H]} for w_gate_up "
+                         f"{list(g.shape)}; got {list(d.shape)}")
+    if H % P or I % P or min(E, H, I) < 1:
+        raise ValueError(f"{name}: H and I must be positive multiples of 128; got H={H}, I={I}")
+    gus = [quantize_weights_mx(g[e], f) for e in range(E)]
+    dns = [quantize_weights_mx(interleave_down_rows(d[e]), f) for e in range(E)]
+    out = []
+    for qs, k in ((gus, H), (dns, I)):
+        data = np.stack([q.data for q in qs])
+        scale = np.stack([q.scale for q in qs])
+        out.append(MXTensor(data[0] if one else data, scale[0] if one else scale, f, k))
+    return tuple(out)
+
+
+def _as_numpy_f(a):
+    if is_torch(a):
+        return a.detach().float().cpu().numpy()
+    return np.asarray(a)
+
+
+def plan_tiles_mx(regime, tb, H, I) -> MoEPlan:
+    """MX pass widths: gate and up accumulate together, one PSUM bank kept free (the x / output
+    transposes); kb_* = 128-column weight tiles per DMA (~``MX_DMA_BYTES`` per partition)."""
+    KT, KI = cdiv(H, P), I // P
+    nf_gu = min(D.max_tiles_per_pass(tb, 2, D.PSUM_BYTES - 2048), KI)
+    nf_d = min(D.max_tiles_per_pass(tb, 1, D.PSUM_BYTES - 2048), KT)
+    kb_gu = max(1, MX_DMA_BYTES // (cdiv(H, CHUNK) * CHUNK))
+    kb_d = max(1, MX_DMA_BYTES // (cdiv(KI, 4) * CHUNK))
+    return MoEPlan(regime, tb, True, nf_gu, nf_d, kb_gu, kb_d, False)
+
+
+def _sbuf_need_mx(tb, H, I, plan):
+    """Per-partition SBUF bytes of one MX expert step (upper bound): gathered rows, the x
+    quantization stage, xq, hT, hq, the weight tiles in flight (3 transfers), silu tiles,
+    two yT buffers, fixed tiles."""
+    KTh, KC = cdiv(H, CHUNK), cdiv(I // P, 4)
+    rows = cdiv(tb, P) * H * 2 + 2 * tb * 4 * 2
+    xq = KTh * tb * 4 + cdiv(KTh, 4) * tb
+    h = 4 * KC * tb * 2 + KC * tb * 4 + cdiv(KC, 4) * tb
+    ring = 3 * plan.kb_gu * (KTh * CHUNK + cdiv(KTh, 4) * P)
+    return (rows + xq + h + ring + plan.nf_gu * tb * 4 + 2 * plan.nf_d * tb * 4 + 8 * 1024)
+
+
 # ---------------------------------------------------------------------------- kernel side
 def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink):
     """One expert on the token columns of ``xT [128, KT, tb]``: gate/up passes -> the weighted
@@ -360,9 +466,108 @@ def _row_broadcast(src_row, n, ones):
     return out
 
 
+def _x_mx(subs, tb, H, ident, x4):
+    """Token rows ``[(s0, ts, x_sb [ts, H] bf16)]`` -> MX activations for ``nc_matmul_mx``:
+    ``xq [128, KT, tb]`` x4 (chunk c, partition p, lane q = ``x[t, 512c + 4p + q]``, the MX tile
+    layout of the gate/up weight) and their E8M0 scales ``xs [128, SL, tb]`` (quadrant slots).
+    Per chunk and sub-tile: four PE transposes of the columns ``q::4``, one interleaving
+    eviction, one ``quantize_mx`` (blocks of 32 consecutive hidden values of a token)."""
+    KT = cdiv(H, CHUNK)
+    xq = nl.ndarray((P, KT, tb), dtype=x4, buffer=nl.sbuf)                      # [128, KT, tb]
+    xs = nl.ndarray((P, cdiv(KT, 4), tb), dtype=nl.uint8, buffer=nl.sbuf)       # [128, SL, tb]
+    n = 0
+    for s0, ts, x_sb in subs:
+        for c in range(KT):
+            kk = min(P, (H - c * CHUNK) // 4)
+            c0 = c * CHUNK
+            tp = nl.ndarray((kk, 4, ts), dtype=x_sb.dtype, buffer=nl.psum)       # [kk, 4, ts]
+            for q in range(4):
+                nisa.nc_matmul(dst=tp[:, q, :], stationary=x_sb[0:ts, c0 + q:c0 + 4 * kk:4],
+                               moving=ident[0:ts, 0:ts], is_transpose=True)
+            aT = nl.ndarray((kk, ts, 4), dtype=x_sb.dtype, buffer=nl.sbuf)       # [kk, ts, 4]
+            eng = nisa.engine.scalar if n % 2 else nisa.engine.vector
+            nisa.tensor_copy(dst=aT.permute((0, 2, 1)), src=tp, engine=eng)
+            n += 1
+            nisa.quantize_mx(dst=xq[0:kk, c, s0:s0 + ts], src=aT,
+                             dst_scale=xs[4 * (c % 4):P, c // 4, s0:s0 + ts])
+    return xq, xs
+
+
+def _mx_views(w_gu, s_gu, w_d, s_d, e):
+    """MX data (x4 views) and scale images of expert ``e`` (a register; None: as given)."""
+    if e is None:
+        return w_gu, s_gu, w_d, s_d
+    return w_gu.select(0, e), s_gu.select(0, e), w_d.select(0, e), s_d.select(0, e)
+
+
+def _mx_pass(w, s, K, KT, f0, fw, kb, mov, mov_s, acc, x4):
+    """``acc[0:128, f, 0:N] = W[:, f0 + 128f ..].T @ mov`` over the KT chunks (MX data ``w``
+    ``[128, KT*F]`` x4 and scale image ``s`` in HBM; ``mov [128, KT, N]`` x4, ``mov_s`` its
+    scales): weight tiles loaded ``kb`` at a time (one contiguous run per partition)."""
+    N = mov.shape[2]
+    nf = fw // P
+    for g0 in range(0, nf, kb):
+        g1 = min(nf, g0 + kb)
+        wq = nl.ndarray((P, g1 - g0, KT, P), dtype=x4, buffer=nl.sbuf)         # [128, g, KT, 128]
+        ws = nl.ndarray((P, g1 - g0, cdiv(KT, 4), P), dtype=nl.uint8,
+                        buffer=nl.sbuf)                                         # [128, g, SL, 128]
+        _load_tiles(w, s, wq, ws, KT, f0 + g0 * P, (g1 - g0) * P)
+        for f in range(g0, g1):
+            for c in range(KT):
+                kk = min(P, (K - c * CHUNK) // 4)
+                o = 4 * (c % 4)
+                nisa.nc_matmul_mx(dst=acc[:, f, 0:N], stationary=wq[0:kk, f - g0, c, :],
+                                  moving=mov[0:kk, c, 0:N], stationary_scale=ws[o:P, f - g0, c // 4, :],
+                                  moving_scale=mov_s[o:P, c // 4, 0:N], accumulate=(c > 0))
+        del wq, ws
+
+
+def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink):
+    """One expert in MXFP8 (Trn3) on the token columns of ``xq``/``xs`` (:func:`_x_mx`):
+    gate/up ``nc_matmul_mx`` passes (weight tiles stationary) -> ``hT = wrow * silu(g) * u``
+    bf16 ``[128, 4KC, tb]`` (tile j = rows 128j..) -> MX-quantized per chunk straight from
+    hT (lane q of chunk c = tile 4c + q: the interleaved down rows) -> down passes, each handed
+    to ``sink(acc [128, nf, Tp] PSUM, j0, widths, None)``."""
+    KTh, KI = cdiv(H, CHUNK), I // P
+    KC = cdiv(KI, 4)
+    Tp = D.acc_free(tb)
+    hT = nl.ndarray((P, 4 * KC, tb), dtype=nl.bfloat16, buffer=nl.sbuf)        # [128, 4KC, tb]
+    if KI % 4:      # lanes of the missing tiles (their weight rows are zero; keep them finite)
+        nisa.memset(dst=hT[:, KI:4 * KC, :], value=0.0)
+    gu_tiles = D.feature_tiles([(0, I, 0)])
+    for i0, i1 in D.group_passes(gu_tiles, plan.nf_gu):
+        nf = i1 - i0
+        widths = [P] * nf
+        acc_g = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)        # [128, nf, Tp]
+        acc_u = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)        # [128, nf, Tp]
+        _mx_pass(w_gu, s_gu, H, KTh, i0 * P, nf * P, plan.kb_gu, xq, xs, acc_g, x4)
+        _mx_pass(w_gu, s_gu, H, KTh, I + i0 * P, nf * P, plan.kb_gu, xq, xs, acc_u, x4)
+        sg = _silu_evict(acc_g, widths, tb, None, None, i0)                     # [128, nf, tb]
+        del acc_g
+        if wrow is not None:   # the routing weight of each token (0: it did not choose it)
+            nisa.tensor_tensor(dst=sg, data1=sg, data2=wrow.expand_dim(1).broadcast(1, nf),
+                               op=nl.multiply, engine=nisa.engine.gpsimd)
+        _gate_evict(hT, sg, acc_u, widths, tb, None, i0, i0)
+        del acc_u, sg
+    hq = nl.ndarray((P, KC, tb), dtype=x4, buffer=nl.sbuf)                      # [128, KC, tb]
+    hs = nl.ndarray((P, cdiv(KC, 4), tb), dtype=nl.uint8, buffer=nl.sbuf)       # [128, SL, tb]
+    for c in range(KC):
+        nisa.quantize_mx(dst=hq[:, c, :], src=hT[:, 4 * c:4 * c + 4, :].permute((0, 2, 1)),
+                         dst_scale=hs[4 * (c % 4):P, c // 4, :])
+    del hT
+    d_tiles = D.feature_tiles([(0, H, 0)])
+    for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
+        widths = [d_tiles[j][1] for j in range(j0, j1)]
+        acc = nl.ndarray((P, j1 - j0, Tp), dtype=nl.float32, buffer=nl.psum)     # [128, nf, Tp]
+        _mx_pass(w_d, s_d, 4 * P * KC, KC, j0 * P, (j1 - j0) * P, plan.kb_d, hq, hs, acc, x4)
+        sink(acc, j0, widths, None)
+        del acc
+
+
 @nki.jit
 def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh_gu, sh_d,
-                            ss_gu, ss_d, combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused):
+                            ss_gu, ss_d, combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused,
+                            mx=None):
     """Decode MoE: each distinct chosen expert read once, all tokens through it.
 
     Dimensions:
@@ -376,11 +581,15 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
       s_gu: [E, 2I], s_d: [E, H] fp32 FP8 per-channel scales, else None.
       sh_gu: [H, 2Is], sh_d: [Is, H] shared expert (ss_gu [2Is], ss_d [H] FP8 scales) or None.
       combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused: from MoEPlan.
+      mx: None, or the x4 dtype of MXFP8 weights (Trn3): w_gu uint32 [E, 128, KT(H)*2I] and
+        w_d uint32 [E, 128, KC*H] in the MX tile layout (``quantize_expert_weights_mx``; down
+        rows interleaved), s_gu uint8 [E, 64, SL(H)*2I] / s_d [E, 64, SL(I)*H] their scale
+        images; the shared expert likewise without the expert dim.
     Returns:
       y: [T, H] bf16, shared HBM.
     Notes:
       fp32 accumulation of the weighted expert sum (SBUF); x, h rounded to bf16 (or FP8 per
-      token) as GEMM inputs.
+      token, or MXFP8 blocks of 32 with ``quantize_mx``) as GEMM inputs.
     Pseudocode:
       xT[h, t] = x[t, h]                                     # PE transposes (FP8: quantized)
       yacc[h, t] = shared(x)[t, h] or 0                      # fp32 SBUF
@@ -391,9 +600,9 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
       y[t, h] = transpose(yacc)
     """
     T, H = x.shape
-    I = w_gu.shape[1] * P // 2 if tiled else w_gu.shape[2] // 2
+    I = _kernel_width(w_gu, H, tiled, mx)
     KT = cdiv(H, P)
-    fp8 = s_gu is not None
+    fp8 = s_gu is not None and mx is None
     plan = MoEPlan("decode", T, combined, nf_gu, nf_d, kb_gu, kb_d, fused)
     y = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
     ids_sb = nl.ndarray((1, experts.shape[1]), dtype=nl.int32, buffer=nl.sbuf)   # [1, S]
@@ -406,8 +615,14 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
     nisa.memset(dst=ones, value=1.0)
     q = _Fp8(w_gu.dtype, None, None) if fp8 else None
     rows = D.x_rows_normalised(x, 0, T)
-    _x_quantize(rows, q, all_steps=True)
-    xT, A = _x_block(rows, T, H, None, ident, ident_f, q, w_gu.dtype)
+    if mx is not None:
+        xq, xs = _x_mx(rows, T, H, ident, mx)
+        w_gu, w_d = w_gu.view(mx), w_d.view(mx)
+        if sh_gu is not None:
+            sh_gu, sh_d = sh_gu.view(mx), sh_d.view(mx)
+    else:
+        _x_quantize(rows, q, all_steps=True)
+        xT, A = _x_block(rows, T, H, None, ident, ident_f, q, w_gu.dtype)
     yacc = nl.ndarray((P, KT, T), dtype=nl.float32, buffer=nl.sbuf)                # [128, KT, T]
     nisa.memset(dst=yacc, value=0.0)
     ev = [0]
@@ -423,7 +638,11 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
             nisa.tensor_tensor(dst=yacc[0:nn, j0 + a:j0 + b, :], data1=yacc[0:nn, j0 + a:j0 + b, :],
                                data2=src[0:nn, a:b, 0:T], op=nl.add)
 
-    if sh_gu is not None:      # the shared expert: static weights, every token, weight 1
+    if sh_gu is not None and mx is not None:     # the shared expert in MXFP8
+        Is = sh_gu.shape[1] // (2 * cdiv(H, CHUNK))
+        _expert_step_mx(xq, xs, T, H, Is, sh_gu, ss_gu, sh_d, ss_d, None,
+                        plan_tiles_mx("decode", T, H, Is), mx, sink)
+    elif sh_gu is not None:      # the shared expert: static weights, every token, weight 1
         Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
         if fp8:
             _load_scales(q, ss_gu, ss_d, None, Is, H, ident_f)
@@ -436,9 +655,14 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
     def body(s):
         e = nisa.register_alloc()
         nisa.register_load(dst=e, src=ids_sb[0:1, nl.ds(s, 1)])
-        wgu, wd = _expert_views(w_gu, w_d, e)
         meta = nl.ndarray((1, comb.shape[1]), dtype=nl.float32, buffer=nl.sbuf)  # [1, T(+2I+H)]
         nisa.dma_copy(dst=meta, src=comb[nl.ds(s, 1), :])
+        if mx is not None:
+            wrow = _row_broadcast(meta[:, 0:T], T, ones)                        # [128, T]
+            _expert_step_mx(xq, xs, T, H, I, *_mx_views(w_gu, s_gu, w_d, s_d, e), wrow, plan,
+                            mx, sink)
+            return
+        wgu, wd = _expert_views(w_gu, w_d, e)
         if fp8:
             _scale_cols(q, meta[:, T:T + 2 * I], meta[:, T + 2 * I:T + 2 * I + H], I, H, ident_f)
         wrow = _row_broadcast(meta[:, 0:T], T, ones)                            # [128, T]
@@ -451,7 +675,8 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
 
 @nki.jit
 def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_b, gi_b, si_b,
-                             bw_b, s_gu, s_d, sh_gu, sh_d, ss_gu, ss_d, tiled, plan_a, plan_b):
+                             bw_b, s_gu, s_d, sh_gu, sh_d, ss_gu, ss_d, tiled, plan_a, plan_b,
+                             mx=None):
     """Prefill MoE: blockwise GEMMs over tokens grouped by expert.
 
     Dimensions:
@@ -463,6 +688,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
       gi_*, si_*: [NB, tb] int32 token rows to gather / to scatter-add to (T = padding, skipped).
       bw_*: [NB, tb] fp32 routing weight of each row (0 for padding).
       plan_a, plan_b: (combined, nf_gu, nf_d, kb_gu, kb_d, fused) of each block size.
+      mx: None, or the x4 dtype of MXFP8 weights (as in ``fused_moe_decode_kernel``).
     Returns:
       y: [T, H] bf16, shared HBM.
     Notes:
@@ -479,8 +705,12 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
       y = bf16(y32)
     """
     T, H = x.shape
-    I = w_gu.shape[1] * P // 2 if tiled else w_gu.shape[2] // 2
-    fp8 = s_gu is not None
+    I = _kernel_width(w_gu, H, tiled, mx)
+    fp8 = s_gu is not None and mx is None
+    if mx is not None:
+        w_gu, w_d = w_gu.view(mx), w_d.view(mx)
+        if sh_gu is not None:
+            sh_gu, sh_d = sh_gu.view(mx), sh_d.view(mx)
     y = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
     y32 = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.hbm)
     ident = D.identity(nl.bfloat16)
@@ -502,19 +732,27 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         loops.append((be_sb, n_sb, gidx, sidx, bw, MoEPlan("prefill", gidx.shape[1], *pl)))
 
     if sh_gu is not None:      # y32 = shared(x), token block by token block
-        Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
+        if mx is not None:
+            Is = sh_gu.shape[1] // (2 * cdiv(H, CHUNK))
+        else:
+            Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
         if fp8:
             _load_scales(q, ss_gu, ss_d, None, Is, H, ident_f)
         for t0, tbs in D.token_blocks(T, loops[0][5].tb):
-            sp = plan_tiles("prefill", tbs, H, Is, 1 if fp8 else 2, tiled)
             rows = D.x_rows_normalised(x, t0, tbs)
-            _x_quantize(rows, q, all_steps=True)
-            xT, A = _x_block(rows, tbs, H, None, ident, ident_f, q, w_gu.dtype)
 
             def put(acc, j0, widths, B, t0=t0, tbs=tbs):
                 yT = _evicted(acc, j0, widths, tbs, q, B)
                 _store_rows(y32, ident_f, yT, t0, tbs, d_widths[:j0], widths, None)
 
+            if mx is not None:
+                xq, xs = _x_mx(rows, tbs, H, ident, mx)
+                _expert_step_mx(xq, xs, tbs, H, Is, sh_gu, ss_gu, sh_d, ss_d, None,
+                                plan_tiles_mx("prefill", tbs, H, Is), mx, put)
+                continue
+            sp = plan_tiles("prefill", tbs, H, Is, 1 if fp8 else 2, tiled)
+            _x_quantize(rows, q, all_steps=True)
+            xT, A = _x_block(rows, tbs, H, None, ident, ident_f, q, w_gu.dtype)
             _expert_step(xT, A, tbs, H, Is, sh_gu, sh_d, None, q, sp, tiled, put)
     else:
         zero = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf)             # [128, H]
@@ -529,7 +767,8 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         def body(b, be_sb=be_sb, gidx=gidx, sidx=sidx, bw=bw, plan=plan, tb=tb):
             e = nisa.register_alloc()
             nisa.register_load(dst=e, src=be_sb[0:1, nl.ds(b, 1)])
-            wgu, wd = _expert_views(w_gu, w_d, e)
+            if mx is None:
+                wgu, wd = _expert_views(w_gu, w_d, e)
             if fp8:
                 _load_scales(q, s_gu, s_d, e, I, H, ident_f)
             subs, sis = [], []
@@ -545,13 +784,18 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
                 subs.append((s0, ts, x_sb))
                 sis.append(si)
             wrow = _row_broadcast(bw[nl.ds(b, 1), :], tb, ones)                  # [128, tb]
-            _x_quantize(subs, q, all_steps=True)
-            xT, A = _x_block(subs, tb, H, None, ident, ident_f, q, w_gu.dtype)
 
             def scatter(acc, j0, widths, B):
                 yT = _evicted(acc, j0, widths, tb, q, B)
                 _store_rows(y32, ident_f, yT, 0, tb, d_widths[:j0], widths, sis)
 
+            if mx is not None:
+                xq, xs = _x_mx(subs, tb, H, ident, mx)
+                _expert_step_mx(xq, xs, tb, H, I, *_mx_views(w_gu, s_gu, w_d, s_d, e), wrow,
+                                plan, mx, scatter)
+                return
+            _x_quantize(subs, q, all_steps=True)
+            xT, A = _x_block(subs, tb, H, None, ident, ident_f, q, w_gu.dtype)
             _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, scatter)
 
         n_reg = nisa.register_alloc()
@@ -561,6 +805,13 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         rn = min(P, T - r0)
         nisa.dma_copy(dst=y[r0:r0 + rn, :], src=y32[r0:r0 + rn, :])
     return y
+
+
+def _kernel_width(w_gu, H, tiled, mx):
+    """The expert width I from the gate|up weight's shape."""
+    if mx is not None:
+        return w_gu.shape[2] // (2 * cdiv(H, CHUNK))
+    return w_gu.shape[1] * P // 2 if tiled else w_gu.shape[2] // 2
 
 
 def _evicted(acc, j0, widths, tb, q, B, ev=None):
@@ -621,6 +872,9 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     """
     name = "fused_moe"
     gen = check_target(name)
+    if isinstance(w_gate_up, MXTensor) or isinstance(w_down, MXTensor):
+        return _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_scale,
+                             down_scale, shared_scales, expert_offset, num_global_experts, regime)
     check_no_grad(name, x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale,
                   *(shared or ()), *(shared_scales or ()))
     T, H = check_2d(name, "x", x)
@@ -632,34 +886,8 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     if got != wdt:
         raise TypeError(f"{name}: w_down.dtype must equal w_gate_up.dtype ({wdt}); got {got}")
     fp8 = wdt in _FP8
-    ids = _as_numpy(topk_ids)
-    wts = _as_numpy(topk_weights)
-    if ids.ndim != 2 or ids.shape[0] != T:
-        raise ValueError(f"{name}: topk_ids must be [T, k] with T = x.shape[0] = {T}; got shape "
-                         f"{list(ids.shape)}")
-    k = ids.shape[1]
-    if ids.dtype.kind not in "iu":
-        raise TypeError(f"{name}: topk_ids must hold integers; got {ids.dtype}")
-    if wts.shape != ids.shape:
-        raise ValueError(f"{name}: topk_weights must have the shape of topk_ids {list(ids.shape)}; "
-                         f"got {list(wts.shape)}")
-    if wts.dtype.kind != "f" and dtype_name(wts) != "bfloat16":
-        raise TypeError(f"{name}: topk_weights must be a float array; got {wts.dtype}")
-    if isinstance(expert_offset, bool) or not isinstance(expert_offset, (int, np.integer)) \
-            or expert_offset < 0:
-        raise ValueError(f"{name}: expert_offset must be an int >= 0; got {expert_offset!r}")
-    if num_global_experts is not None:
-        ng = num_global_experts
-        if isinstance(ng, bool) or not isinstance(ng, (int, np.integer)) or ng < expert_offset + E:
-            raise ValueError(f"{name}: num_global_experts must be an int >= expert_offset + E = "
-                             f"{expert_offset + E}; got {num_global_experts!r}")
-        if k > ng:
-            raise ValueError(f"{name}: top_k = {k} exceeds the {ng} experts")
-        bad = (ids < 0) | (ids >= ng)
-        if bad.any():
-            t, j = np.argwhere(bad)[0]
-            raise ValueError(f"{name}: topk_ids[{t}, {j}] = {ids[t, j]} is outside [0, "
-                             f"num_global_experts={ng})")
+    ids, wts = _check_routing(name, T, E, topk_weights, topk_ids, expert_offset,
+                              num_global_experts)
     if fp8:
         if wdt == "float8_e4m3fn" and gen < 4:
             raise ValueError(f"{name}: float8_e4m3fn weights need Trn3; on Trn2 use float8_e4m3")
@@ -707,6 +935,163 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     return launch(fused_moe_prefill_kernel, x, w_gate_up, w_down, *full,
                   *(tail if tail is not None else (None,) * 5), s_gu, s_d, sh_gu, sh_d, ss_gu,
                   ss_d, tiled, pa.args(), pb.args() if pb else None)
+
+
+def _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_scale,
+                  down_scale, shared_scales, expert_offset, num_global_experts, regime):
+    """``fused_moe`` with MXFP8 expert weights (``quantize_expert_weights_mx``; Trn3 only)."""
+    name = "fused_moe"
+    gen = int(nisa.get_nc_version())
+    if gen < 4:
+        raise ValueError(f"{name}: MXFP8 expert weights (nc_matmul_mx / quantize_mx) need Trn3 "
+                         f"(NeuronCore-v4); the target is {GEN_NAMES.get(gen, f'gen{gen}')}. On "
+                         f"Trn2 use FP8 weights (float8_e4m3) with per-channel scales "
+                         f"gate_up_scale / down_scale, or bfloat16")
+    for arg, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(w, MXTensor):
+            raise TypeError(f"{name}: MXFP8 weights must come as a pair of MXTensor "
+                            f"(quantize_expert_weights_mx); {arg} is {type(w).__name__}")
+    if gate_up_scale is not None or down_scale is not None or shared_scales is not None:
+        raise ValueError(f"{name}: gate_up_scale / down_scale / shared_scales are only for FP8 "
+                         f"weights; MXFP8 weights carry their block scales")
+    check_no_grad(name, x, topk_weights, topk_ids)
+    T, H = check_2d(name, "x", x)
+    check_dtype(name, "x", x, ("bfloat16",))
+    if H % P:
+        raise ValueError(f"{name}: MXFP8 weights need a hidden size that is a multiple of 128; "
+                         f"got H={H}")
+    fmt = _mx_fmt(name, w_gate_up, w_down)
+    g_d, g_s, E, I = _mx_operand(name, "w_gate_up", w_gate_up, 3, H, None)
+    d_d, d_s, E2, _ = _mx_operand(name, "w_down", w_down, 3, I, H)
+    if E2 != E:
+        raise ValueError(f"{name}: w_down holds {E2} experts but w_gate_up {E}")
+    ids, wts = _check_routing(name, T, E, topk_weights, topk_ids, expert_offset,
+                              num_global_experts)
+    sh = (None,) * 4
+    Is = 0
+    if shared is not None:
+        if not isinstance(shared, (tuple, list)) or len(shared) != 2 \
+                or not all(isinstance(w, MXTensor) for w in shared):
+            raise ValueError(f"{name}: with MXFP8 experts, shared must be a pair of MXTensor "
+                             f"(quantize_expert_weights_mx(ws_gate_up [H, 2Is], ws_down [Is, H]))")
+        if _mx_fmt(name, *shared) != fmt:
+            raise ValueError(f"{name}: the shared expert's MX format must be the experts' "
+                             f"({fmt}); got {shared[0].fmt}")
+        sg_d, sg_s, _, Is = _mx_operand(name, "shared[0]", shared[0], 2, H, None)
+        sd_d, sd_s, _, _ = _mx_operand(name, "shared[1]", shared[1], 2, Is, H)
+        sh = (sg_d, sd_d, sg_s, sd_s)
+    regime = _regime(name, T, regime)
+    x4 = getattr(nl, _MX_FMTS[fmt])
+    lids = local_ids(ids, E, expert_offset)
+    w32 = wts.astype(np.float32)
+    if regime == "decode":
+        plan = plan_tiles_mx("decode", T, H, I)
+        experts, n, comb = plan_decode_routing(lids, w32, E)
+        return launch(fused_moe_decode_kernel, x, g_d, d_d, experts, n, comb, g_s, d_s, *sh,
+                      *plan.args()[:5], False, False, x4)
+    counts = np.bincount(lids[lids >= 0].ravel(), minlength=E) if (lids >= 0).any() else []
+    budget = _sbuf_budget()
+    tb_cap = max(c for c in TB_CHOICES if c == TB_CHOICES[0]
+                 or _sbuf_need_mx(c, H, I, plan_tiles_mx("prefill", c, H, I)) <= budget)
+    tb, tt = choose_blocks(counts, tb_cap, RIDGE_TOKENS_MX)
+    full, tail = plan_prefill_routing(lids, w32, E, tb, tt)
+    pa = plan_tiles_mx("prefill", tb, H, I)
+    pb = plan_tiles_mx("prefill", tt, H, I) if tt else None
+    return launch(fused_moe_prefill_kernel, x, g_d, d_d, *full,
+                  *(tail if tail is not None else (None,) * 5), g_s, d_s, *sh, False,
+                  pa.args(), pb.args() if pb else None, x4)
+
+
+def _regime(name, T, regime):
+    if regime is None:
+        regime = "decode" if T <= DECODE_T_MAX else "prefill"
+    if regime not in ("decode", "prefill"):
+        raise ValueError(f"{name}: regime must be None, 'decode' or 'prefill'; got {regime!r}")
+    if regime == "decode" and T > P:
+        raise ValueError(f"{name}: the decode regime takes at most {P} tokens; got T={T}")
+    return regime
+
+
+def _mx_fmt(name, *ws):
+    fmts = []
+    for w in ws:
+        f = str(w.fmt)
+        f = f[len("float8_"):] if f.startswith("float8_") else f
+        if f not in _MX_FMTS:
+            raise ValueError(f"{name}: MX format must be one of {', '.join(_MX_FMTS)}; got "
+                             f"{w.fmt!r}")
+        fmts.append(f)
+    if len(set(fmts)) != 1:
+        raise ValueError(f"{name}: w_gate_up and w_down must share one MX format; got {fmts}")
+    return fmts[0]
+
+
+def _mx_operand(name, arg, w, ndim, K, F):
+    """Check one MXTensor of expert weights (``ndim`` 3: a leading expert dim, 2: one expert):
+    contraction ``K`` (w.k must equal it), ``F`` columns (None: gate|up, 2I with I % 128 == 0).
+    Returns (data, scale, E, I or F)."""
+    data, scale = _as_numpy(w.data), _as_numpy(w.scale)
+    what = "[E, 128, KT*F]" if ndim == 3 else "[128, KT*F]"
+    if data.ndim != ndim or data.dtype != np.uint32 or data.shape[-2] != P:
+        raise ValueError(f"{name}: {arg}.data must be uint32 {what} (quantize_expert_weights_mx); "
+                         f"got {data.dtype} {list(data.shape)}")
+    if int(w.k) != K:
+        raise ValueError(f"{name}: {arg}.k must be {K} (its contraction length); got {w.k}")
+    KT = cdiv(K, CHUNK)
+    SL = cdiv(KT, 4)
+    if data.shape[-1] % KT:
+        raise ValueError(f"{name}: {arg}.data has {data.shape[-1]} words per partition, not a "
+                         f"multiple of KT = ceil({K}/512) = {KT}")
+    n = data.shape[-1] // KT
+    if F is None:
+        if n % (2 * P) or n < 2 * P:
+            raise ValueError(f"{name}: {arg} must have 2I columns with I a multiple of 128; got "
+                             f"{n} columns")
+        out = n // 2
+    else:
+        if n != F:
+            raise ValueError(f"{name}: {arg} must have {F} columns; got {n}")
+        out = F
+    lead = data.shape[:-2]
+    want = (*lead, 64, SL * n)
+    if scale.shape != want or scale.dtype != np.uint8:
+        raise ValueError(f"{name}: {arg}.scale must be uint8 {list(want)}; got {scale.dtype} "
+                         f"{list(scale.shape)}")
+    return (np.ascontiguousarray(data), np.ascontiguousarray(scale),
+            lead[0] if lead else 1, out)
+
+
+def _check_routing(name, T, E, topk_weights, topk_ids, expert_offset, num_global_experts):
+    """(ids [T, k] integer, weights [T, k] float) NumPy, checked."""
+    ids = _as_numpy(topk_ids)
+    wts = _as_numpy(topk_weights)
+    if ids.ndim != 2 or ids.shape[0] != T:
+        raise ValueError(f"{name}: topk_ids must be [T, k] with T = x.shape[0] = {T}; got shape "
+                         f"{list(ids.shape)}")
+    k = ids.shape[1]
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{name}: topk_ids must hold integers; got {ids.dtype}")
+    if wts.shape != ids.shape:
+        raise ValueError(f"{name}: topk_weights must have the shape of topk_ids {list(ids.shape)}; "
+                         f"got {list(wts.shape)}")
+    if wts.dtype.kind != "f" and dtype_name(wts) != "bfloat16":
+        raise TypeError(f"{name}: topk_weights must be a float array; got {wts.dtype}")
+    if isinstance(expert_offset, bool) or not isinstance(expert_offset, (int, np.integer)) \
+            or expert_offset < 0:
+        raise ValueError(f"{name}: expert_offset must be an int >= 0; got {expert_offset!r}")
+    if num_global_experts is not None:
+        ng = num_global_experts
+        if isinstance(ng, bool) or not isinstance(ng, (int, np.integer)) or ng < expert_offset + E:
+            raise ValueError(f"{name}: num_global_experts must be an int >= expert_offset + E = "
+                             f"{expert_offset + E}; got {num_global_experts!r}")
+        if k > ng:
+            raise ValueError(f"{name}: top_k = {k} exceeds the {ng} experts")
+        bad = (ids < 0) | (ids >= ng)
+        if bad.any():
+            t, j = np.argwhere(bad)[0]
+            raise ValueError(f"{name}: topk_ids[{t}, {j}] = {ids[t, j]} is outside [0, "
+                             f"num_global_experts={ng})")
+    return ids, wts
 
 
 def _as_numpy(a):
@@ -796,6 +1181,7 @@ def _check_shared(name, shared, scales, H, wdt, tiled, fp8):
 
 
 __all__ = ["fused_moe", "fused_moe_decode_kernel", "fused_moe_prefill_kernel", "MoEPlan",
+           "quantize_expert_weights_mx", "interleave_down_rows", "plan_tiles_mx",
            "plan_tiles", "plan_decode_routing", "plan_prefill_routing", "choose_blocks",
            "split_expert",
            "tile_expert_weights", "local_ids"]
