@@ -459,11 +459,15 @@ class _Run:
                 k = self.split.index(it)
                 dst = self.parts[k, grp.g, 0:grp.rows, :]
                 st = nl.ndarray((grp.rows, cfg.d + 2), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=st[:, 0:cfg.d], src=sm.o, engine=nisa.engine.gpsimd)
+                # on VectorE: on GpSimd's in-order queue these copies (which wait for the part's
+                # last PV) held back the next item's Q memset and, through it, its Q load, which
+                # then queued behind the prefetched KV (1x128K + 63x1K at LNC=2: 500 -> 413 us,
+                # Trn3 modeled)
+                nisa.tensor_copy(dst=st[:, 0:cfg.d], src=sm.o, engine=nisa.engine.vector)
                 nisa.tensor_copy(dst=st[:, cfg.d:cfg.d + 1], src=sm.mp[:, 0:1],
-                                 engine=nisa.engine.gpsimd)
+                                 engine=nisa.engine.vector)
                 nisa.tensor_copy(dst=st[:, cfg.d + 1:cfg.d + 2], src=sm.l,
-                                 engine=nisa.engine.gpsimd)
+                                 engine=nisa.engine.vector)
                 nisa.dma_copy(dst=dst, src=st)
                 continue
             if it.n_parts > 1:
