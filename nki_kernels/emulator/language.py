@@ -65,9 +65,49 @@ def is_sbuf(b):
 class NKIObject:
     """Base class for user objects passed to kernels (converted via ``__dict__`` on hardware).
 
-    As in NKI, a ``@dataclass`` subclass takes its un-annotated class attributes as fields too
-    (``x = None`` in the body becomes a field with default ``None``), after the annotated ones.
+    As in NKI, a subclass takes its un-annotated class attributes as fields too (``x = None`` in
+    the body becomes a field with default ``None``), after the annotated ones, and ``@dataclass``
+    is optional (nki-spec 3.2): a subclass without an ``__init__`` of its own is built from its
+    fields, positionally or by keyword, as a dataclass would be (NKI Library's
+    ``moe_cte.bwmm_shard_on_I.OutputTensors`` is such a class).
     """
+
+    def __init__(self, *args, **kwargs):
+        import dataclasses
+        cls = type(self)
+        names = []
+        for c in reversed(cls.__mro__):
+            if c is NKIObject or not (isinstance(c, type) and issubclass(c, NKIObject)):
+                continue
+            for n in c.__dict__.get("__annotations__", {}):
+                if n not in names:
+                    names.append(n)
+        if len(args) > len(names):
+            raise TypeError(f"{cls.__name__}() takes {len(names)} positional arguments but "
+                            f"{len(args)} were given")
+        values = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {k!r}")
+            if k in values:
+                raise TypeError(f"{cls.__name__}() got multiple values for argument {k!r}")
+            values[k] = v
+        for n in names:
+            if n in values:
+                continue
+            if not hasattr(cls, n):
+                raise TypeError(f"{cls.__name__}() missing required argument {n!r}")
+            d = getattr(cls, n)
+            if isinstance(d, dataclasses.Field):
+                if d.default_factory is not dataclasses.MISSING:
+                    d = d.default_factory()
+                elif d.default is not dataclasses.MISSING:
+                    d = d.default
+                else:
+                    raise TypeError(f"{cls.__name__}() missing required argument {n!r}")
+            values[n] = d
+        for n, v in values.items():
+            object.__setattr__(self, n, v)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -282,6 +282,29 @@ def test_dataclass_nkiobject_takes_unannotated_attributes_as_fields():
     assert (p.n, p.tile, p.flags) == (2, 5, [1]) and Params().flags is not p.flags
 
 
+def test_plain_nkiobject_subclass_is_built_from_its_fields():
+    # nki-spec 3.2: @dataclass is optional on NKIObject subclasses (NKI Library's moe_cte
+    # OutputTensors is a plain annotated subclass built with keywords)
+    class Outs(nl.NKIObject):
+        output: object
+        gate_up: object = None
+        flags = [1]
+
+        def rows(self):
+            return 1
+
+    a = Outs(output=3, gate_up=4)
+    b = Outs(5)
+    assert (a.output, a.gate_up, b.output, b.gate_up, a.rows()) == (3, 4, 5, None, 1)
+    assert a.flags == [1] and a.flags is not b.flags
+    with pytest.raises(TypeError, match="unexpected keyword argument 'down'"):
+        Outs(output=1, down=2)
+    with pytest.raises(TypeError, match="missing required argument 'output'"):
+        Outs(gate_up=1)
+    with pytest.raises(TypeError, match="takes 3 positional arguments but 4 were given"):
+        Outs(1, 2, 3, 4)
+
+
 def test_memset_integral_float_on_int_tile():
     def body():
         t = nl.ndarray((4, 8), nl.uint32)
