@@ -233,3 +233,34 @@ def check_decode_lens(op, seq_lens, B, s_q):
         raise ValueError(f"{op}: seq_lens must be 0 (an empty slot) or >= s_q = {s_q} (they count "
                          f"the new tokens, already in the cache); got {sl.tolist()}"[:300])
     return sl
+
+
+def token_scales(op, name, s, lead, dims, lens, block_table=None, block_size=None):
+    """Per-token KV-cache scales (one per cache slot): an fp32 array shaped like the cache's
+    leading dims ``lead`` (named ``dims``, e.g. "[num_blocks, block_size]"). The slots the op
+    reads (the first ``L`` tokens of each sequence, through ``block_table`` when paged) must be
+    finite and > 0; the others are never read and not checked. A contiguous fp32 NumPy array."""
+    shape = getattr(s, "shape", None)
+    if shape is None or tuple(int(x) for x in shape) != tuple(int(x) for x in lead):
+        raise ValueError(f"{op}: {name} (per-token scales) must be {dims} = "
+                         f"{[int(x) for x in lead]} like the cache's leading dims; got shape "
+                         f"{None if shape is None else [int(x) for x in shape]}")
+    got = dtype_name(s)
+    if got != "float32":
+        raise TypeError(f"{op}: {name} (per-token scales) dtype must be float32; got {got}")
+    a = s.detach().cpu().numpy() if is_torch(s) else np.asarray(s)
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    for b, L in enumerate(int(x) for x in lens):
+        if L == 0:
+            continue
+        if block_table is None:
+            v = a[b, :L]
+        else:
+            pages = np.asarray(block_table)[b, :-(-L // block_size)]
+            v = a[pages].reshape(-1)[:L]
+        bad = np.flatnonzero(~np.isfinite(v) | (v <= 0))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(f"{op}: {name} must be finite and > 0 for every token read; "
+                             f"sequence {b} token {j} has {float(v[j])!r}")
+    return a

@@ -16,9 +16,13 @@ Weights are stored as ``w_uk, w_uv [H, kv_lora_rank, head_dim]`` (``k_nope_h = c
 Layouts: ``q [B, s_q, H, .]`` (query ``i`` of sequence ``b`` sits at ``pos = seq_lens[b] - s_q +
 i`` and sees keys ``j <= pos``); contiguous cache ``[B, S_max, 576]`` or paged ``[num_blocks,
 block_size, 576]`` with ``block_table [B, max_blocks]`` (only the ``ceil(L / block_size)`` pages
-a sequence uses are touched). FP8 caches dequantize as ``float(c) * kv_scale``. A sequence of
-length 0 gives output 0 and ``lse = -inf``. ``p_dtype="bfloat16"`` rounds the probabilities
-that multiply V (the same-precision reference of the attention accuracy rule).
+a sequence uses are touched). FP8 caches dequantize as ``float(c) * kv_scale``, with
+``kv_scale`` a scalar (per tensor) or one scale per cache slot (per token: ``[B, S_max]``
+contiguous, ``[num_blocks, block_size]`` paged; row ``t`` of a sequence uses the scale of the
+slot it is stored in). A sequence of length 0 gives output 0 and ``lse = -inf``.
+``p_dtype="bfloat16"`` rounds the probabilities that multiply V and ``dequant_dtype="bfloat16"``
+the dequantized latent rows (the kernel's per-token path works on bf16 tiles): the
+same-precision reference of the attention accuracy rule.
 """
 from __future__ import annotations
 
@@ -30,6 +34,30 @@ import numpy as np
 from .decode_attention import gather_kv  # [L, 576] latent rows: the paged gather of decode
 
 BF16 = ml_dtypes.bfloat16
+
+
+def token_scales(kv_scale, b, L, block_table=None):
+    """The dequantization scales of sequence ``b``'s first ``L`` latent rows, float32 ``[L]``:
+    a scalar (or None = 1) repeated, or per token the scales of the slots the rows are stored
+    in (``kv_scale[b, :L]`` contiguous; ``kv_scale[block_table[b, j // bs], j % bs]`` paged)."""
+    ks = np.asarray(1.0 if kv_scale is None else kv_scale, dtype=np.float32)
+    if ks.ndim < 2:
+        return np.full(L, float(ks.reshape(-1)[0]), dtype=np.float32)
+    if block_table is None:
+        return ks[b, :L].copy()
+    bs = ks.shape[1]
+    j = np.arange(L)
+    return ks[np.asarray(block_table)[b, j // bs], j % bs]
+
+
+def _dequant(kv_cache, b, L, block_table, kv_scale, ct, dequant_dtype=None):
+    """Sequence ``b``'s latent rows ``[L, 576]`` times their scales, in ``ct``; rounded to bf16
+    first with ``dequant_dtype="bfloat16"`` (float32 product, then bf16)."""
+    c = gather_kv(kv_cache, b, L, block_table).astype(np.float32)
+    s = token_scales(kv_scale, b, L, block_table)
+    if dequant_dtype == "bfloat16":
+        return (c * s[:, None]).astype(BF16).astype(ct)
+    return c.astype(ct) * s.astype(ct)[:, None]
 
 
 @dataclass(frozen=True)
@@ -112,7 +140,7 @@ def _softmax_rows(s, p_dtype):
 
 def mla_decode_ref(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale,
                    kv_scale=None, rank=512, compute_dtype=np.float32, p_dtype=None,
-                   out_dtype=None):
+                   out_dtype=None, dequant_dtype=None):
     """Absorbed MLA decode: ``o_lat [B, s_q, H, rank]`` (compute dtype, or rounded to
     ``out_dtype`` -- "bfloat16" like the kernel's output) and ``lse [B, s_q, H]``.
 
@@ -122,14 +150,13 @@ def mla_decode_ref(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scal
     B, s_q, H, _ = np.shape(q_nope)
     qn = np.asarray(q_nope).astype(ct)
     qr = np.asarray(q_rope).astype(ct)
-    ks = 1.0 if kv_scale is None else float(kv_scale)
     o = np.zeros((B, s_q, H, rank), dtype=ct)
     lse = np.full((B, s_q, H), -np.inf, dtype=np.float32)
     for b in range(B):
         L = int(seq_lens[b])
         if L == 0:
             continue
-        c = gather_kv(kv_cache, b, L, block_table).astype(ct) * ct(ks)       # [L, 576]
+        c = _dequant(kv_cache, b, L, block_table, kv_scale, ct, dequant_dtype)  # [L, 576]
         s = (np.einsum("shl,jl->shj", qn[b], c[:, :rank])
              + np.einsum("shr,jr->shj", qr[b], c[:, rank:])) * ct(scale)          # [s_q, H, L]
         pos = L - s_q + np.arange(s_q)
@@ -153,14 +180,13 @@ def mla_unabsorbed_ref(q_nope_heads, q_rope, kv_cache, seq_lens, w_uk, w_uv, *, 
     B, s_q = np.shape(q_nope_heads)[:2]
     qn = np.asarray(q_nope_heads).astype(f)
     qr = np.asarray(q_rope).astype(f)
-    ks = 1.0 if kv_scale is None else float(kv_scale)
     o = np.zeros((B, s_q, H, w_uv.shape[2]), dtype=f)
     lse = np.full((B, s_q, H), -np.inf, dtype=np.float32)
     for b in range(B):
         L = int(seq_lens[b])
         if L == 0:
             continue
-        c = gather_kv(kv_cache, b, L, block_table).astype(f) * ks
+        c = _dequant(kv_cache, b, L, block_table, kv_scale, f)
         k_nope = np.einsum("jl,hln->hjn", c[:, :rank], w_uk)                     # [H, L, nope]
         v = np.einsum("jl,hlv->hjv", c[:, :rank], w_uv)                          # [H, L, v]
         s = (np.einsum("shn,hjn->shj", qn[b], k_nope)

@@ -2,12 +2,15 @@
 W_DKV / W_UK / W_UV-style weights (a small random DeepSeek-style config: latent 512, rope 64, nope
 128, v 128 per head), so the absorption convention is pinned; paged caches with NaN in every slot
 a sequence does not own and shuffled block tables, contiguous caches, s_q 1..4, the packed
-few-row layout (H s_q <= 64) and the row layout, empty / length-1 sequences, FP8 caches, LNC=2
-split-KV, both targets; every refusal. Lengths up to 65536 run behind ``-m slow``.
+few-row layout (H s_q <= 64) and the row layout, empty / length-1 sequences, FP8 caches with a
+per-tensor scale or per-token scales (NaN in the scales of every slot a sequence does not own),
+LNC=2 split-KV, both targets; every refusal. Lengths up to 65536 run behind ``-m slow``.
 
 Accuracy rule (reference/compare.py): kernel error <= 2 x the error of a same-precision reference
 (probabilities rounded to bf16 for P @ V, output rounded to bf16) + 1e-3, both against a float64
-reference; lse by the same rule.
+reference; lse by the same rule. Per-token FP8 scales: the kernel dequantizes each tile to bf16 in
+SBUF (documented), so its same-precision reference rounds the dequantized latent rows to bf16
+too (``dequant_dtype``); the float64 reference does not.
 """
 import ml_dtypes
 import numpy as np
@@ -76,7 +79,9 @@ def _check(qn, qr, kv, lens, table=None, kv_scale=None, lnc=1, what="mla_decode"
     assert lse.shape == qn.shape[:3] and lse.dtype == np.float32
     kw = dict(block_table=table, scale=SCALE, kv_scale=kv_scale)
     exact = mla_decode_ref(qn, qr, kv, lens, compute_dtype=np.float64, **kw)
-    same = mla_decode_ref(qn, qr, kv, lens, p_dtype="bfloat16", out_dtype="bfloat16", **kw)
+    tok = np.ndim(kv_scale) == 2                 # per-token: tiles dequantized to bf16
+    same = mla_decode_ref(qn, qr, kv, lens, p_dtype="bfloat16", out_dtype="bfloat16",
+                          dequant_dtype="bfloat16" if tok else None, **kw)
     assert_attention_close(o, same[0], exact[0], what=what)
     live = np.asarray(lens) > 0                  # empty slots: lse -inf, checked by the caller
     assert_attention_close(lse[live], same[1][live], exact[1][live], what=f"{what} lse")
@@ -176,6 +181,111 @@ def test_mla_decode_fp8(tgt):
     kv[0, 0, 0:4] = np.array([448.0 if tgt == "trn3" else 240.0, -2.0 ** -6, 0.0, 1.0],
                              dtype=np.float32).astype(dt)
     _check(qn, qr, kv, lens, table, kv_scale=0.125, what=f"mla_decode fp8 {tgt}")
+
+
+def _token_scales(rng, kv, lens, table=None, lo=-8.0, hi=4.0):
+    """Per-token scales 2^lo..2^hi (log-uniform) shaped like the cache's leading dims, NaN in
+    every slot a sequence does not read (past its length; paged: unused pages and page tails)."""
+    lead = kv.shape[:2]
+    ks = (2.0 ** rng.uniform(lo, hi, size=lead)).astype(np.float32)
+    used = np.zeros(lead, dtype=bool)
+    for b, L in enumerate(lens):
+        if table is None:
+            used[b, :L] = True
+        else:
+            j = np.arange(L)
+            used[table[b, j // lead[1]], j % lead[1]] = True
+    ks[~used] = np.nan
+    return ks
+
+
+TOKEN_CASES = [
+    # B, s_q, H, lens, block size (None = contiguous)
+    pytest.param(2, 1, 16, [1100, 1], 16, id="H16-paged16-packed"),
+    pytest.param(1, 2, 128, [777], 32, id="H128-sq2-paged32"),
+    pytest.param(3, 2, 16, [300, 0, 40], None, id="H16-sq2-contig-empty"),
+    pytest.param(1, 1, 128, [600], None, id="H128-contig"),
+]
+
+
+@pytest.mark.parametrize("B, s_q, H, lens, bs", TOKEN_CASES)
+def test_mla_decode_fp8_per_token(tgt, B, s_q, H, lens, bs):
+    """Per-token scales spanning 2^-8..2^4 (NaN where unread), shuffled NaN-poisoned pages."""
+    rng = np.random.default_rng(11 + H + s_q + len(lens))
+    qn, qr, kv, table = _inputs(rng, B, s_q, H, lens, bs, dtype=FP8[tgt])
+    ks = _token_scales(rng, kv, lens, table)
+    o, lse = _check(qn, qr, kv, lens, table, kv_scale=ks, what=f"mla_decode fp8/token {tgt}")
+    assert np.isfinite(o.astype(np.float32)).all()
+    for b, L in enumerate(lens):
+        if L == 0:
+            assert np.all(o[b].astype(np.float32) == 0) and np.all(np.isneginf(lse[b]))
+    # the scales count: the largest scale of the longest sequence divided by 64 changes its output
+    b = int(np.argmax(lens))
+    ks2 = ks.copy()
+    j = np.arange(lens[b])
+    slots = (np.full_like(j, b), j) if table is None else (table[b, j // kv.shape[1]],
+                                                           j % kv.shape[1])
+    k = int(np.argmax(ks[slots]))
+    ks2[slots[0][k], slots[1][k]] /= 64.0
+    o2, _ = mla_decode(qn, qr, kv, np.asarray(lens), block_table=table, scale=SCALE, kv_scale=ks2)
+    assert not np.array_equal(o2[b].astype(np.float32), o[b].astype(np.float32))
+
+
+def test_per_token_constant_scale_equals_per_tensor(tgt):
+    """A constant per-token scale gives the per-tensor result: exactly representable (2^-2,
+    the bf16 dequantization is then exact) up to fp32 summation order; any constant (0.3) by
+    the accuracy rule on both paths."""
+    rng = np.random.default_rng(12)
+    lens = [900, 130]
+    qn, qr, kv, table = _inputs(rng, 2, 1, 16, lens, 64, dtype=FP8[tgt])
+    for c in (0.25, 0.3):
+        ks = np.full(kv.shape[:2], c, dtype=np.float32)
+        o_t, l_t = _check(qn, qr, kv, lens, table, kv_scale=ks, what=f"per-token {c}")
+        o_s, l_s = _check(qn, qr, kv, lens, table, kv_scale=c, what=f"per-tensor {c}")
+        if c == 0.25:
+            np.testing.assert_allclose(o_t.astype(np.float32), o_s.astype(np.float32),
+                                       rtol=2.0 ** -7, atol=1e-3)   # one bf16 rounding apart
+            np.testing.assert_allclose(l_t, l_s, rtol=1e-5, atol=1e-5)
+
+
+def test_per_token_reference_paths_agree():
+    """The per-token reference: absorbed and unabsorbed agree, and scales change the result as
+    a per-row multiply of the latent (a paged cache and its contiguous copy agree)."""
+    rng = np.random.default_rng(13)
+    cfg = MLAConfig(heads=2)
+    _, _, w_uk, w_uv = random_weights(cfg, rng)
+    lens = [70, 33]
+    rows = [rng.standard_normal((L, 576)).astype(np.float32) for L in lens]
+    kv_p, table = _paged(rng, rows, lens, 16, np.float32)
+    ks_p = _token_scales(rng, kv_p, lens, table)
+    kv_c = np.zeros((2, 70, 576), np.float32)
+    ks_c = np.zeros((2, 70), np.float32)
+    for b, L in enumerate(lens):
+        kv_c[b, :L] = rows[b]
+        j = np.arange(L)
+        ks_c[b, :L] = ks_p[table[b, j // 16], j % 16]
+    qh = rng.standard_normal((2, 1, 2, cfg.nope_dim))
+    qr = rng.standard_normal((2, 1, 2, cfg.rope_dim))
+    o_u, l_u = mla_unabsorbed_ref(qh, qr, kv_p, lens, w_uk, w_uv, block_table=table,
+                                  scale=cfg.softmax_scale, kv_scale=ks_p)
+    o_a, l_a = mla_decode_ref(absorb_q(qh, w_uk).astype(np.float64), qr, kv_c, lens,
+                              scale=cfg.softmax_scale, kv_scale=ks_c, compute_dtype=np.float64)
+    np.testing.assert_allclose(apply_w_uv(o_a, w_uv), o_u, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(l_a, l_u, rtol=1e-5, atol=1e-5)
+    scaled = kv_c * ks_c[:, :, None]
+    o_1, _ = mla_decode_ref(absorb_q(qh, w_uk).astype(np.float64), qr, scaled, lens,
+                            scale=cfg.softmax_scale, compute_dtype=np.float64)
+    np.testing.assert_allclose(o_1, o_a, rtol=1e-5, atol=1e-6)
+
+
+def test_mla_decode_fp8_per_token_lnc2():
+    """LNC=2 with per-token scales: the parts of a long sequence dequantize their own tiles."""
+    rng = np.random.default_rng(14)
+    lens = [2100, 40]
+    with target("trn3"):
+        qn, qr, kv, table = _inputs(rng, 2, 1, 16, lens, 128, dtype=FP8["trn3"])
+        ks = _token_scales(rng, kv, lens, table)
+        _check(qn, qr, kv, lens, table, kv_scale=ks, lnc=2, what="mla_decode fp8/token lnc=2")
 
 
 def test_mla_decode_lnc2_split():
@@ -294,5 +404,58 @@ def test_refusals():
             r"float8_e4m3fn", qn, qr, kv.astype(ml_dtypes.float8_e4m3fn), kv_scale=1.0)
     with target("trn1"):
         bad(r"mla_decode", qn, qr, kv)
+    # per-token FP8 scales
+    f8 = kv.astype(ml_dtypes.float8_e4m3fn)
+    ok = np.full((1, 8), 0.5, np.float32)
+    bad(r"mla_decode: per-token kv_scale applies to FP8 caches only; the cache is bfloat16",
+        kv_scale=ok)
+    bad(r"kv_scale \(per-token scales\) must be \[B, S_max\] = \[1, 8\] like the cache's "
+        r"leading dims; got shape \[1, 7\]", qn, qr, f8, kv_scale=ok[:, :7])
+    bad(r"kv_scale \(per-token scales\) must be \[B, S_max\] = \[1, 8\].*got shape \[8\]",
+        qn, qr, f8, kv_scale=ok[0])
+    bad(r"kv_scale \(per-token scales\) dtype must be float32; got float64", qn, qr, f8,
+        kv_scale=ok.astype(np.float64))
+    bad(r"kv_scale \(per-token scales\) dtype must be float32; got bfloat16", qn, qr, f8,
+        kv_scale=ok.astype(BF16))
+    for v, got in ((0.0, "0.0"), (-1.0, "-1.0"), (np.nan, "nan"), (np.inf, "inf")):
+        z = ok.copy()
+        z[0, 5] = v
+        bad(rf"kv_scale must be finite and > 0 for every token read; sequence 0 token 5 has "
+            rf"{got}", qn, qr, f8, kv_scale=z)
+    z = ok.copy()
+    z[0, 5] = np.nan                                   # past the length: never read, accepted
+    o, _ = mla_decode(qn, qr, f8, np.array([5]), scale=SCALE, kv_scale=z)
+    assert np.isfinite(o.astype(np.float32)).all()
+    pg = np.zeros((4, 16, 576), dtype=ml_dtypes.float8_e4m3fn)
+    bad(r"kv_scale \(per-token scales\) must be \[num_blocks, block_size\] = \[4, 16\]",
+        qn, qr, pg, block_table=np.zeros((1, 1), np.int32), kv_scale=np.ones((1, 8), np.float32))
     with pytest.raises(TypeError):
         mla_decode(qn, qr, kv, lens)                     # scale is required (keyword-only)
+
+
+def test_torch_op_passes_per_token_scales():
+    """torch.ops.nki_kernels.mla_decode takes per-token scales as ``kv_token_scale`` (the float
+    ``kv_scale`` stays per tensor) and gives the NumPy op's result; both at once is refused."""
+    torch = pytest.importorskip("torch")
+    import nki_kernels.torch  # noqa: F401  (registers the ops)
+    rng = np.random.default_rng(15)
+    lens = [300, 41]
+    with target("trn3"):
+        qn, qr, kv, table = _inputs(rng, 2, 1, 16, lens, 32, dtype=FP8["trn3"])
+        ks = _token_scales(rng, kv, lens, table)
+        want = mla_decode(qn, qr, kv, np.asarray(lens), block_table=table, scale=SCALE,
+                          kv_scale=ks)
+
+        def t(a):
+            return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16)).view(torch.bfloat16) \
+                if np.dtype(a.dtype) == np.dtype(BF16) else torch.from_numpy(a)
+
+        args = (t(qn), t(qr), torch.from_numpy(kv.view(np.uint8)).view(torch.float8_e4m3fn),
+                torch.tensor(lens, dtype=torch.int32), SCALE)
+        o, lse = torch.ops.nki_kernels.mla_decode(*args, block_table=torch.from_numpy(table),
+                                                  kv_token_scale=torch.from_numpy(ks))
+        np.testing.assert_array_equal(o.float().numpy(), want[0].astype(np.float32))
+        np.testing.assert_array_equal(lse.numpy(), want[1])
+        with pytest.raises(ValueError, match="pass kv_scale \\(per tensor\\) or kv_token_scale"):
+            torch.ops.nki_kernels.mla_decode(*args, block_table=torch.from_numpy(table),
+                                             kv_scale=0.5, kv_token_scale=torch.from_numpy(ks))

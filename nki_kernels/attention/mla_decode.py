@@ -23,6 +23,11 @@ register-addressed DMA per page), read from HBM **once**:
 
 The stages of consecutive (tile, row group) jobs are software-pipelined (K^T, QK^T + softmax,
 P^T, PV with lags 0..3) as in decode attention, loads PREFETCH tiles ahead.
+
+FP8 caches: a per-tensor ``kv_scale`` folds into the score scale and the output (the latent is
+used as stored, K^T by identity matmuls); per-token scales (one fp32 per cache slot) dequantize
+each tile once in SBUF to bf16 (``c[p, t, :] * kv_scale`` per partition and token slice, VectorE /
+ScalarE), after which the tile runs the bf16 path (TensorE transposes for K^T).
 """
 from __future__ import annotations
 
@@ -30,7 +35,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import check_block_table, check_decode_lens, check_target, dtype_name, is_torch
+from .._validate import (
+    check_block_table,
+    check_decode_lens,
+    check_target,
+    dtype_name,
+    is_torch,
+    token_scales,
+)
 from ..backend import launch, nisa, nki, nl
 from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, load_kv_tile_pages, tokens_per_partition
 from .masks import scale_mask_max
@@ -54,6 +66,9 @@ MAX_S_Q = 4
 MM_N = 512            # score columns per matmul (one fp32 PSUM bank)
 TR_GROUP = 8          # 128-key transposes per PSUM buffer
 PREFETCH = 2          # latent tiles loaded ahead of the one being computed
+DEQ_AHEAD = 1         # per-token FP8: tile j + 1 is dequantized in the step that starts tile j's
+                      # K^T, before its transposes (modeled, DeepSeek-V3 H=128 L=32K Trn3: 172.7
+                      # us; 2 tiles ahead 174.5; after the step's matmuls 242.6)
 LAGS = (0, 2, 3, 4)   # pipeline lags of the stages K^T, QK^T + softmax, P^T, PV (in jobs)
 WEAVE = 3             # K^T transposes issued after each QK^T / PV matmul
 EVICT_ACT = (0.75, 0.6)   # share of the K^T / P^T PSUM evictions on ScalarE (the rest on
@@ -68,10 +83,13 @@ class MLAPlan(nl.NKIObject):
 
     B, s_q, H: sequences, new tokens each, heads; layout: latent cache / tile geometry (one head
     of width 576); seq_lens: host lengths; items: work items per program (:mod:`.split_kv`);
-    qk_mul: scale x (FP8) k_scale, applied to the scores as they leave PSUM; v_mul: the FP8
-    scale applied to the output (1.0 for bf16). W, nslot: few query rows (``s_q H <= 64``): the
-    rows are repeated in ``nslot`` PE column tiles of W, each slot takes ``T / nslot`` of a full
-    tile's token slices (its own softmax state, merged at the end); nslot = 1: one row layout.
+    qk_mul: scale x (FP8, per tensor) kv_scale, applied to the scores as they leave PSUM; v_mul:
+    the per-tensor FP8 scale applied to the output (1.0 for bf16 and per-token scales).
+    tok_scale: per-token FP8 scales (``kv_scale`` an HBM array, tiles dequantized in SBUF);
+    deq_act: share of those dequantization passes on ScalarE (the rest on VectorE).
+    W, nslot: few query rows (``s_q H <= 64``): the rows are repeated in ``nslot`` PE column
+    tiles of W, each slot takes ``T / nslot`` of a full tile's token slices (its own softmax
+    state, merged at the end); nslot = 1: one row layout.
     """
     B: int
     s_q: int
@@ -85,6 +103,8 @@ class MLAPlan(nl.NKIObject):
     out_dtype: object
     W: int = P
     nslot: int = 1
+    tok_scale: bool = False
+    deq_act: float = 0.0
 
     @property
     def rows(self) -> int:
@@ -107,7 +127,7 @@ class MLAPlan(nl.NKIObject):
 
 
 @nki.jit
-def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg):
+def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_scale=None):
     """Absorbed MLA decode.
 
     Dimensions:
@@ -120,16 +140,21 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg):
       block_table: [B, max_blocks] int32 HBM (paged), else None.
       rowtab: [B, n_groups, 128, 2] fp32 HBM: first / last visible key of every query row.
       cfg: MLAPlan.
+      kv_scale: cfg.tok_scale: fp32 HBM per-token scales, [B, S_max] (contiguous) or
+        [num_blocks, block_size] (paged), else None.
     Returns:
       o [B, s_q, H, 512] (cfg.out_dtype), and lse [B, s_q, H] fp32 (natural log) when
       cfg.return_lse.
     Notes:
       fp32 scores, max, sums and accumulation; P rounded to bf16 for PV. Each latent tile is
       read from HBM once and serves as K (576 columns) and V (its first 512). Cache entries past
-      a sequence's end, and pages the block table does not name for it, are never read.
+      a sequence's end, and pages the block table does not name for it, are never read (nor
+      their per-token scales). Per-token FP8: each tile is dequantized to bf16 in SBUF (the
+      bf16 rounding of ``c * kv_scale``), then used as a bf16 tile.
     Pseudocode:
       for each work item (b, keys [k0, k1)): Q^T of each row group; state m, l, o
         for tile of 128 T keys: C [128, T, 576] <- DMA (paged: per page through the table)
+          [per-token FP8: s [128, T] <- DMA (same pages); C <- bf16(C * s) per token slice]
           K^T [576, 128T] <- TensorE transposes of C (once per tile)
           for row group: S = Q^T.T K^T; X = qk_mul S (| mask); online softmax; P^T;
             O = sum_t P^T[t].T @ C[:, t, 0:512]; o = alpha o + O
@@ -146,12 +171,13 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg):
     mine = cfg.items[pid]
     split, parts_hbm = split_parts(cfg.items, cfg.n_groups, D_LATENT)
     ident = None
-    if kv_cache.dtype not in (nl.bfloat16, nl.float16):   # FP8 K^T by matmul with the identity
+    if kv_cache.dtype not in (nl.bfloat16, nl.float16) and not cfg.tok_scale:
+        # FP8 used as stored (per-tensor scale): K^T by matmul with the identity
         ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)               # [128, 128]
     if pid == 0:
         empty_rows(out, lse, cfg.seq_lens, cfg.rows, D_LATENT, cfg.out_dtype)
     run = _Run(q_nope, q_rope, kv_cache, block_table, rowtab, out, lse, parts_hbm, split, ident,
-               cfg)
+               cfg, kv_scale)
     run.items(mine)
     merge_split(run, mine, split, parts_hbm, programs)
     if cfg.return_lse:
@@ -193,10 +219,11 @@ class _Job:
 
 
 class _Tile:
-    """One latent tile in SBUF and (once built) its K^T."""
+    """One latent tile in SBUF and (once built) its K^T; per-token FP8: its scales ``s``
+    until the tile is dequantized (``c`` is then the bf16 tile)."""
 
-    def __init__(self, c):
-        self.c = c
+    def __init__(self, c, n, s=None):
+        self.c, self.n, self.s = c, n, s
         self.kT = None
 
 
@@ -204,7 +231,7 @@ class _Run:
     """Trace-time driver: this program's work items as one stream of prefetched latent tiles."""
 
     def __init__(self, q_nope, q_rope, kv, block_table, rowtab, out, lse, parts_hbm, split, ident,
-                 cfg):
+                 cfg, kv_scale=None):
         self.qn, self.qr, self.kv, self.bt = q_nope, q_rope, kv, block_table
         self.rowtab, self.out, self.lse, self.parts = rowtab, out, lse, parts_hbm
         self.split = list(split)
@@ -212,7 +239,10 @@ class _Run:
         self.cfg = cfg
         self.lay = cfg.layout
         self.fp8 = kv.dtype not in (nl.bfloat16, nl.float16)
+        self.kt_fp8 = self.fp8 and not cfg.tok_scale     # K^T straight from the FP8 tile
+        self.ks = kv_scale
         self.n_evict = 0
+        self.n_deq = 0
         self.pending = {}
 
     def items(self, mine):
@@ -240,7 +270,10 @@ class _Run:
                                    it.k0 // lay.block_size)
             else:
                 load_kv_tile(c, self.kv, lay, it.b, k0, n, zero_tail=self.fp8)
-            loaded[j] = _Tile(c)
+            s = None
+            if cfg.tok_scale:
+                s = self.load_scales(it, k0, n, tabs.get(ii))
+            loaded[j] = _Tile(c, n, s)
 
         jobs = [(j, g) for j in range(len(tiles)) for g in range(cfg.n_groups)]
         state = {}
@@ -256,7 +289,12 @@ class _Run:
                 tile = loaded[j]
                 packed = cfg.nslot > 1 and not last        # an item's last tile: one row layout
                 if g == 0:
+                    if tile.s is not None:                 # per-token FP8, not dequantized yet
+                        self.dequant(tile)
                     gen_a = self.stage_kT(tile, n, packed)
+                    ahead = j + DEQ_AHEAD
+                    if ahead in loaded and loaded[ahead].s is not None:
+                        self.dequant(loaded[ahead])
                 state[ja] = _Job(mine[ii], groups[ii][g], tile, k0, n, lay.T, packed)
             jb = step - LAGS[1]
             if 0 <= jb < len(jobs):
@@ -367,6 +405,42 @@ class _Run:
                                     st[:, D_LATENT + 1:D_LATENT + 2])
                 self.store(it.b, grp)
 
+    # -- per-token FP8 scales ---------------------------------------------------------------------
+    def load_scales(self, it, k0, n, bt_sb):
+        """The per-token scales of keys ``[k0, k0 + n)`` as ``s [128, T]`` fp32 (key ``k0 + p T +
+        t`` at ``[p, t]``, the latent tile's layout) by the latent's own loaders: one DMA
+        (contiguous) or one per page through the same block-table entries (paged); the partial
+        partition's tail zeroed, nothing past the sequence's end read."""
+        lay = self.lay
+        sl = KVLayout(lay.paged, lay.block_size, 1, 1, lay.T)        # one fp32 per token
+        s = nl.ndarray((P, lay.T), dtype=nl.float32, buffer=nl.sbuf)            # [128, T]
+        ks = self.ks.reshape((self.ks.shape[0], self.ks.shape[1], 1, 1))
+        s4 = s.reshape((P, lay.T, 1, 1))
+        if lay.paged:
+            load_kv_tile_pages([(s4, ks, True)], sl, it.b, k0, n, bt_sb,
+                               it.k0 // lay.block_size)
+        else:
+            load_kv_tile(s4, ks, sl, it.b, k0, n, zero_tail=True)
+        return s
+
+    def dequant(self, tile):
+        """``C[p, t, :] <- bf16(C[p, t, :] * s[p, t])``: one pass per token slice with the
+        slice's scales as a per-partition operand, a share ``deq_act`` of them on ScalarE (the
+        rest on VectorE, whose FP8 -> bf16 pass is 4x fast on Trn3). The partial partition's
+        tail is zero in both tiles; partitions past the last key are not touched."""
+        T = self.lay.T
+        npp = -(-tile.n // T)
+        cb = nl.ndarray((P, T, 1, D_QK), dtype=nl.bfloat16, buffer=nl.sbuf)   # [128, T, 576]
+        f = self.cfg.deq_act
+        for t in range(T):
+            i = self.n_deq
+            self.n_deq += 1
+            act = int((i + 1) * f + 1e-9) > int(i * f + 1e-9)
+            nisa.tensor_scalar(dst=cb[0:npp, t, 0, :], data=tile.c[0:npp, t, 0, :],
+                               op0=nl.multiply, operand0=tile.s[0:npp, t:t + 1],
+                               engine=nisa.engine.scalar if act else nisa.engine.vector)
+        tile.c, tile.s = cb, None
+
     # -- stages ---------------------------------------------------------------------------------
     def stage_kT(self, tile, n, packed=False):
         """K^T of the whole 576-wide latent tile, ``[576 (5 chunks), 128 T]``, key order restored
@@ -381,7 +455,7 @@ class _Run:
         c = tile.c
         kT = nl.ndarray((P, DT, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [576, 128T]
         # FP8: bf16 PSUM where the target has it (Trn3; e4m3fn values are bf16 values: exact)
-        tp_dt = (nl.bfloat16 if nisa.get_nc_version() >= 4 else nl.float32) if self.fp8 \
+        tp_dt = (nl.bfloat16 if nisa.get_nc_version() >= 4 else nl.float32) if self.kt_fp8 \
             else c.dtype
         grpn = TR_GROUP // 2 if tp_dt is nl.float32 else TR_GROUP
         for dt in range(DT):
@@ -391,7 +465,7 @@ class _Run:
                 tp = nl.ndarray((P, t1 - t0, P), dtype=tp_dt, buffer=nl.psum)
                 for t in range(t0, t1):
                     src = c[0:npp, t, 0, dt * P:dt * P + dsz]
-                    if self.fp8:
+                    if self.kt_fp8:
                         nisa.nc_matmul(dst=tp[0:dsz, t - t0, 0:npp], stationary=src,
                                        moving=self.ident[0:npp, 0:npp])
                     else:
@@ -527,6 +601,21 @@ class _Run:
 # ---------------------------------------------------------------------------------------- op
 OP = "mla_decode"
 _FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}
+# Per-token FP8: share of the SBUF dequantization passes (one per token slice) on ScalarE, the
+# rest on VectorE, per generation and (row layout, packed slots). Trn3's VectorE converts FP8 ->
+# bf16 in its 4x mode (4x ScalarE's rate), Trn2's has no fast FP8 mode. Modeled, DeepSeek-V3
+# L=32K, H=128 / H=16 (us): Trn3 share 0: 172.7 / 155.0, 0.25: 166.9 / 148.6, 0.375: 165.9 /
+# 147.5, 0.5: 174.1 / 148.1; Trn2 0.375: 261.8 / 256.3, 0.5: 249.4 / 237.5, 0.625: 250.0 /
+# 225.0, 0.75: 264.3 / 223.2.
+DEQ_ACT = {3: (0.5, 0.75), 4: (0.375, 0.375)}
+
+
+def _per_token(x) -> bool:
+    """``kv_scale`` given as an array of per-token scales (2-D, or more than one value)."""
+    shp = getattr(x, "shape", None)
+    if shp is None and isinstance(x, (list, tuple)):
+        shp = np.shape(x)
+    return shp is not None and (len(shp) >= 2 or int(np.prod(shp)) > 1)
 
 
 def _positive(name, x):
@@ -555,7 +644,11 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
       block_table: [B, max_blocks] int32; logical block n of sequence b is physical block
          ``block_table[b, n]``; entries past a sequence's end are never read. Block sizes 8-256.
       scale: softmax scale (required: DeepSeek uses ``1/sqrt(192)`` times the YaRN mscale^2).
-      kv_scale: FP8 caches only: the per-tensor dequantization scale (a positive scalar).
+      kv_scale: FP8 caches only: the dequantization scale, either per tensor (a positive
+         scalar) or per token: float32 ``[num_blocks, block_size]`` (paged) or ``[B, S_max]``
+         (contiguous), one scale per cache slot (the cache's leading dims); latent row t
+         dequantizes as ``float(c[t]) * kv_scale[t]`` for K (576) and V (512). Per-token tiles are
+         dequantized to bf16 in SBUF. Slots past a sequence's end are never read.
       return_lse: also return lse [B, s_q, H] float32 (natural log, of the scaled logits).
       lnc: 1, or 2 to split the work (long sequences: their keys) over both cores.
     Returns:
@@ -587,14 +680,16 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
         raise TypeError(f"{OP}: kv_cache.dtype must be bfloat16 or {fp8} (FP8 on this target); "
                         f"got {kn}")
     is_fp8 = kn == fp8
+    tok = is_fp8 and _per_token(kv_scale)
     if is_fp8:
         if kv_scale is None:
             raise ValueError(f"{OP}: an FP8 kv_cache needs kv_scale (the per-tensor dequantization "
-                             f"scale); got None")
-        kvs = _positive("kv_scale", kv_scale)
+                             f"scale, or per-token scales); got None")
+        kvs = 1.0 if tok else _positive("kv_scale", kv_scale)
     else:
         if kv_scale is not None:
-            raise ValueError(f"{OP}: kv_scale applies to FP8 caches only; the cache is {kn}")
+            what = "per-token " if _per_token(kv_scale) else ""
+            raise ValueError(f"{OP}: {what}kv_scale applies to FP8 caches only; the cache is {kn}")
         kvs = 1.0
     scale = _positive("scale", scale)
     if isinstance(return_lse, (bool, np.bool_)) is False:
@@ -612,15 +707,23 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
             raise ValueError(f"{OP}: seq_lens up to {int(sl.max())} exceed the cache's S_max = {S1}")
     else:
         bt, bs = check_block_table(OP, block_table, sl, shp, BLOCK_SIZES, "kv_cache")
-    T = tokens_per_partition(1, D_QK, 1 if is_fp8 else 2, bs, max_len=int(sl.max(initial=1)))
+    ks_tok = None
+    if tok:
+        dims = "[B, S_max]" if bt is None else "[num_blocks, block_size]"
+        ks_tok = token_scales(OP, "kv_scale", kv_scale, (N0, S1), dims, sl, bt, bs)
+    # per-token FP8 tiles are dequantized to bf16 in SBUF: the bf16 tile geometry (SBUF room)
+    T = tokens_per_partition(1, D_QK, 1 if is_fp8 and not tok else 2, bs,
+                             max_len=int(sl.max(initial=1)))
     lay = KVLayout(bt is not None, bs or 0, 1, D_QK, T)
     items = plan_split_kv([int(x) for x in sl], lay.tile_keys, lnc, s_q=s_q)
     W, nslot = slots(s_q * H, T)
     plan = MLAPlan(B=B, s_q=s_q, H=H, layout=lay, seq_lens=tuple(int(x) for x in sl), items=items,
                    qk_mul=scale * kvs, v_mul=kvs, return_lse=bool(return_lse),
-                   out_dtype=nl.bfloat16, W=W, nslot=nslot)
+                   out_dtype=nl.bfloat16, W=W, nslot=nslot, tok_scale=bool(tok),
+                   deq_act=DEQ_ACT[gen][nslot > 1] if tok else 0.0)
     rowtab = row_table(plan)
-    res = launch(mla_decode_kernel, q_nope, q_rope, kv_cache, bt, rowtab, plan, lnc=lnc)
+    extra = (ks_tok,) if tok else ()
+    res = launch(mla_decode_kernel, q_nope, q_rope, kv_cache, bt, rowtab, plan, *extra, lnc=lnc)
     return tuple(res) if return_lse else res
 
 

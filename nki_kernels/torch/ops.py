@@ -441,23 +441,33 @@ def _merge_fake(o_a, lse_a, o_b, lse_b):
 
 
 # -------------------------------------------------------------------------------- mla_decode
+def _mla_scale(kv_scale, kv_token_scale):
+    """The op's ``kv_scale``: the per-tensor float, or the per-token tensor (as NumPy)."""
+    if kv_token_scale is None:
+        return None if kv_scale is None else float(kv_scale)
+    if kv_scale is not None:
+        raise ValueError("mla_decode: pass kv_scale (per tensor) or kv_token_scale (per token), "
+                         "not both")
+    return _py(kv_token_scale)
+
+
 def _mla_kernel(q_nope, q_rope, kv_cache, seq_lens, scale, block_table=None, kv_scale=None,
-                lnc=1):
+                lnc=1, kv_token_scale=None):
     return _mla_decode(q_nope, q_rope, kv_cache, _py(seq_lens), block_table=_py(block_table),
-                       scale=float(scale), kv_scale=None if kv_scale is None else float(kv_scale),
+                       scale=float(scale), kv_scale=_mla_scale(kv_scale, kv_token_scale),
                        return_lse=True, lnc=lnc)
 
 
 def _mla_ref(q_nope, q_rope, kv_cache, seq_lens, scale, block_table=None, kv_scale=None,
-             lnc=1):
+             lnc=1, kv_token_scale=None):
     from ..reference.mla_decode import mla_decode_ref
     return mla_decode_ref(q_nope, q_rope, kv_cache, _py(seq_lens), block_table=_py(block_table),
-                          scale=float(scale),
-                          kv_scale=None if kv_scale is None else float(kv_scale),
+                          scale=float(scale), kv_scale=_mla_scale(kv_scale, kv_token_scale),
                           out_dtype=np.asarray(q_nope).dtype.name)
 
 
-def _mla_fake(q_nope, q_rope, kv_cache, seq_lens, scale, block_table=None, kv_scale=None, lnc=1):
+def _mla_fake(q_nope, q_rope, kv_cache, seq_lens, scale, block_table=None, kv_scale=None, lnc=1,
+              kv_token_scale=None):
     return _empty(q_nope.shape, q_nope.dtype, q_nope), \
         _empty(q_nope.shape[:3], torch.float32, q_nope)
 
@@ -577,8 +587,8 @@ _add(OpDef("kv_cache_append", "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b
 _add(OpDef("merge_attention_states", "(Tensor o_a, Tensor lse_a, Tensor o_b, Tensor lse_b) -> "
            "(Tensor, Tensor)", _merge_states, _merge_fake, _merge_ref))
 _add(OpDef("mla_decode", "(Tensor q_nope, Tensor q_rope, Tensor kv_cache, Tensor seq_lens, "
-           "float scale, Tensor? block_table=None, float? kv_scale=None, int lnc=1) -> "
-           "(Tensor, Tensor)", _mla_kernel, _mla_fake, _mla_ref,
+           "float scale, Tensor? block_table=None, float? kv_scale=None, int lnc=1, "
+           "Tensor? kv_token_scale=None) -> (Tensor, Tensor)", _mla_kernel, _mla_fake, _mla_ref,
            numpy_like=_like_fp8(("kv_cache",))))
 _add(OpDef("router_topk", "(Tensor logits, int top_k, str scoring='softmax', "
            "bool renormalize=True, int? n_groups=None, int? topk_groups=None, "
