@@ -17,3 +17,33 @@ SBUF_MARGIN = 0.9
 def sbuf_budget() -> int:
     """Usable SBUF bytes per partition on the current target (10% margin for the compiler)."""
     return int(nl.tile_size.sbuf_fmax_bytes * SBUF_MARGIN)
+
+
+class SbufLedger:
+    """The SBUF a kernel holds, per partition, as its plan walks the kernel's buffers in the
+    order the kernel takes and releases them: ``take(name, bytes)`` where the kernel first
+    writes a buffer, ``drop(name)`` where its last reference goes. ``peak`` is the fullest
+    moment (the figure a plan checks against ``sbuf_budget()``), ``at`` its live buffers.
+
+    All of a kernel's SBUF tensors start at partition 0, so the bytes per partition of the
+    fullest partition are the sum over live buffers."""
+
+    def __init__(self):
+        self.live = {}
+        self.peak = 0
+        self.at = {}
+
+    def take(self, name, nbytes):
+        if name in self.live:
+            raise KeyError(f"SbufLedger: {name!r} is already live")
+        self.live[name] = int(nbytes)
+        used = sum(self.live.values())
+        if used > self.peak:
+            self.peak, self.at = used, dict(self.live)
+
+    def drop(self, *names):
+        for name in names:
+            self.live.pop(name)
+
+    def has(self, name):
+        return name in self.live

@@ -252,8 +252,9 @@ def test_rejects(rng, change, err, msg):
 
 @pytest.mark.parametrize("T", [8, 256, 600], ids=["decode", "one block", "two blocks"])
 def test_plan_bounds_the_measured_sbuf_peak(tgt, rng, sbuf_peak, T):
-    """The plan's SBUF figure is at least what the kernel really holds at its peak (the emulator's
-    liveness-based measurement); it is an upper bound, not yet the exact figure (docs/dense.md)."""
+    """Planned without the call's options (the default: every option on), the plan's SBUF figure
+    bounds what the kernel holds at its peak (the emulator's liveness-based measurement); with
+    them it is that peak exactly (tests/test_sbuf_plan.py)."""
     from nki_kernels._limits import sbuf_budget
     _run(rng, T, 1024, 8, 2, 128)
     plan = plan_qkv(T, 1024, 8, 2, 128, sbuf_budget())

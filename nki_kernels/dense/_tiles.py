@@ -178,6 +178,7 @@ def x_rows_normalised(x, t0, tb, residual=None, h_out=None, norm=False, eps=1e-6
         if norm:
             rstd = _rstd(x_sb, ts, H, eps)
             nisa.tensor_scalar(dst=x_sb, data=x_sb, op0=nl.multiply, operand0=rstd)
+            del rstd
         subs.append((s0, ts, x_sb))
     return subs
 
@@ -219,6 +220,7 @@ def _rstd(x_sb, ts, H, eps):
                         reduce_res=ss if last else None,
                         reduce_cmd=(nisa.reduce_cmd.reset_reduce if c0 == 0
                                     else nisa.reduce_cmd.reduce))
+        del sq   # released before the next chunk's scratch
     rstd = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)            # [ts, 1]
     nisa.activation(dst=rstd, op=nl.rsqrt, data=ss, scale=1.0 / H, bias=float(eps))
     return rstd
@@ -527,3 +529,73 @@ def _load_weight_rows(w, K, k0, kn, c0, ncols, double_row):
         if double_row and kk < P:
             nisa.memset(dst=w_sb[kk:P, j, :], value=0.0)
     return w_sb
+
+
+# ------------------------------------------------------------------ SBUF of the helpers above
+# The plans walk a kernel's buffers on an ``SbufLedger`` (nki_kernels/_limits.py); these are
+# the steps of the kernel-side helpers, each next to nothing but the code it mirrors.
+def identity_sbuf(led, name, itemsize):
+    """``identity``: the int32 iota, then the identity; the iota is released."""
+    led.take("iota", 4 * P)
+    led.take(name, itemsize * P)
+    led.drop("iota")
+
+
+def col_vector_sbuf(led, name, n):
+    """``load_col_vector`` into a new fp32 ``[128, cdiv(n, 128)]``: a row tile per 128 columns,
+    one at a time."""
+    nt = cdiv(n, P)
+    for c0 in range(0, nt, P):
+        led.take("col_rows", 4 * P)
+        if c0 == 0:
+            led.take(name, 4 * nt)
+        led.drop("col_rows")
+
+
+def rows_sbuf(led, prefix, tb, H, residual, norm):
+    """``x_rows_normalised``: one [ts, H] bf16 tile per sub-tile of 128 tokens (kept), the
+    residual rows and the norm's scratch released as it goes. Returns the kept names."""
+    names = []
+    for k in range(cdiv(tb, P)):
+        names.append((prefix, k))
+        led.take(names[-1], 2 * H)
+        if residual:
+            led.take("r_rows", 2 * H)
+            led.drop("r_rows")
+        if norm:                                        # _rstd: ScalarE squares in chunks
+            for c0 in range(0, H, SQ_CHUNK):
+                led.take("sq", 2 * min(SQ_CHUNK, H - c0))
+                if c0 + SQ_CHUNK >= H:
+                    led.take("ss", 4)
+                led.drop("sq")
+            led.take("rstd", 4)
+            led.drop("ss", "rstd")
+    return names
+
+
+def gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row=False, tiled=False):
+    """Bytes per partition of each weight transfer of ``gemm_pass`` (all weights together)."""
+    KT = cdiv(K, P)
+    step = 2 if double_row else 1
+    KTe = KT + (KT % 2 if double_row else 0)
+    kb = max(step, kb - kb % step)
+    if tiled:
+        return [nweights * kn * P * itemsize for _, kn in _tile_chunks(KTe, kb, step)
+                for _ in widths]
+    return [nweights * kn * sum(widths) * itemsize for _, kn in k_chunks(KTe, kb, step)]
+
+
+def gemm_pass_sbuf(led, nweights, K, widths, kb, itemsize, double_row=False, tiled=False,
+                   prefetched=False):
+    """``gemm_pass``: each weight transfer lands while the previous one is still held (double
+    buffering); with ``prefetched`` the first one (``prefetch_weights``, name "w") is live."""
+    prev = None
+    for ci, nb in enumerate(gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row,
+                                            tiled)):
+        name = "w" if ci == 0 and prefetched else ("w", ci)
+        if name != "w":
+            led.take(name, nb)
+        if prev is not None:
+            led.drop(prev)
+        prev = name
+    led.drop(prev)

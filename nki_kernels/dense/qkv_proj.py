@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._limits import sbuf_budget
+from .._limits import SbufLedger, sbuf_budget
 from .._validate import (
     check_2d,
     check_dtype,
@@ -54,6 +54,8 @@ class QKVPlan:
       PSUM holds (8 at 512 tokens, 32 at 128, all of N at decode sizes). The weight rows of a
       pass are read in runs of nf_max*128 elements (2 KiB at 512 tokens).
     kb: weight k-tiles per DMA (about 8 KiB per partition per transfer).
+    sbuf_bytes: the most SBUF per partition the kernel holds at once with these choices
+      (``qkv_sbuf``: its buffers walked in its order; equal to the emulator's measured peak).
     kc, ts_max: the k-chunked nest for narrow projections (N <= 2048, T > 512, e.g. Llama-3-70B
       at TP8: N = 1280). There the passes above would read 1280 B weight runs (2 passes of 5
       tiles) at 51% DMA efficiency and stream W per 512 tokens: DMA-bound on Trn2. Instead W
@@ -78,44 +80,307 @@ KC_TS = 1024         # tokens per super-block of the k-chunked nest
 KC_GROUP = 256       # tokens per PSUM accumulation group of the k-chunked nest
 
 
-def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX) -> QKVPlan:
+def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options) -> QKVPlan:
     """Largest token block (multiple of 64, <= tb_max) whose SBUF fits; the k-chunked nest for
-    narrow N at prefill sizes."""
+    narrow N at prefill sizes (the largest chunk that fits).
+
+    The SBUF figure is ``qkv_sbuf`` of the candidate: the kernel's own buffers walked in its
+    order, the peak of what it holds at once. ``options``: the keyword flags of ``qkv_sbuf``
+    (norm, bias, residual, rot, qk_norm, k_transposed); by default all on, so the figure
+    bounds every call of that shape."""
+    opts = dict(norm=True, bias=True, residual=True, rot=None, qk_norm=True, k_transposed=True)
+    opts.update(options)
     d = head_dim
     N = (n_q + 2 * n_kv) * d
     KT = cdiv(H, P)
-    nt = len(D.feature_tiles([(0, n_q * d, 0), (n_q * d, (n_q + n_kv) * d, 1),
-                              ((n_q + n_kv) * d, N, 2)]))
+    nt = len(_qkv_tiles(n_q, n_kv, d))
     if T > D.TB_MAX and H % P == 0 and N <= 2048 and nt * KC_GROUP * 4 <= D.PSUM_BYTES:
-        ts = max(b for _, b in D.token_blocks(T, KC_TS))
-        for kc in (16, 8, 4, 2, 1):
+        # 8 k-tiles per chunk first: runs of 8 * N * 2 bytes (20 KiB at N = 1280) already
+        # stream at full DMA efficiency, and a smaller chunk starts the GEMM sooner (Llama-3-70B
+        # TP8, T = 2048: kc 8 647.3 us, kc 16 653.1 us; Trn3, modeled)
+        for kc in (8, 16, 4, 2, 1):
             if KT % kc:
                 continue
-            # SBUF fp32 accumulators, xT of a chunk, two W chunks in flight, pre-pass rows,
-            # two evicted groups waiting for the epilogue, epilogue temporaries and staging
-            sb = (nt * ts * 4 + kc * ts * 2 + 2 * kc * N * 2 + H * 2 * 2 + 4096
-                  + 2 * nt * 512 * 2 + 4 * 1024 * 4 + 2 * 8 * 4 * d * 2 + 4 * nt + 2048)
+            sb = qkv_sbuf(T, H, n_q, n_kv, d, D.TB_MAX, nt, 1, kc, KC_TS, **opts).peak
             if sb <= sbuf_budget:
                 return QKVPlan(T, H, N, D.TB_MAX, nt, 1, False, sb, kc, KC_TS)
+    cands = list(range(tb_max, 63, -64))
+    if N <= 2048:
+        # narrow N: blocks whose accumulators hold all of N (one pass per block) first; at
+        # Llama-3-70B TP8, T = 512: 2 x 256 tokens in one pass each 187.6 us, one block of 512
+        # in two passes 199.4 us (Trn3, modeled)
+        one = [t for t in cands
+               if D.max_tiles_per_pass(max(b for _, b in D.token_blocks(T, t)), 1) >= nt]
+        cands = one + [t for t in cands if t not in one]
     sb = None
-    for tbm in range(tb_max, 63, -64):
+    for tbm in cands:
         tb = max(b for _, b in D.token_blocks(T, tbm))
         nf = D.max_tiles_per_pass(tb, 1)
         if head_dim == 256:
             nf -= nf % 2
         nf = min(nf, NCOLS_MAX // P, cdiv(N, P))
-        ncols = nf * P
-        kb = D.k_tiles_per_dma(ncols, 2, H)
-        # per-partition SBUF at the peak: xT of this block, rows of the next one (+ one sub-tile
-        # of scratch), the weight ring (3 transfers in flight), the evicted pass and the one
-        # waiting for its epilogue, epilogue staging and temporaries (fp32 [128, 1024] x 4).
-        R = max(1, tb // P)
-        sb = (KT * tb * 2 + H * 2 * (cdiv(tb, P) + 1) + 3 * kb * ncols * 2 + 2 * nf * tb * 2
-              + 4 * 1024 * 4 + 2 * 8 * R * head_dim * 2 + 4 * (KT + cdiv(N, P)) + 2 * 1024)
+        kb = D.k_tiles_per_dma(nf * P, 2, H)
+        sb = qkv_sbuf(T, H, n_q, n_kv, d, tbm, nf, kb, **opts).peak
         if sb <= sbuf_budget:
             return QKVPlan(T, H, N, tbm, nf, kb, T < DECODE_T_MAX, sb)
     raise ValueError(f"qkv_proj: hidden={H} needs {sb} bytes of SBUF per partition even at 64 "
                      f"tokens per block; {sbuf_budget} available")
+
+
+# ------------------------------------------------------------------------------ SBUF plan
+def qkv_sbuf(T, H, n_q, n_kv, d, tb_max, nf_max, kb, kc=0, ts_max=0, *, norm=True,
+             bias=True, residual=True, rot=None, qk_norm=False, k_transposed=False):
+    """The kernel's SBUF buffers (bytes per partition) in the order ``qkv_proj_kernel`` takes
+    and releases them, for these tile choices and options: an ``SbufLedger`` whose ``peak`` is
+    the plan's figure. ``rot``: rotary dims (default d; 0 = no RoPE).
+
+    It follows the kernel step by step (same helpers for blocks, passes, k-chunks and lanes),
+    so a change to one is a change to the other; tests/test_sbuf_plan.py checks the figure
+    against the emulator's measured peak in every regime."""
+    led = SbufLedger()
+    rot = d if rot is None else rot
+    N = (n_q + 2 * n_kv) * d
+    KT = cdiv(H, P)
+    tiles = _qkv_tiles(n_q, n_kv, d)
+    passes = D.group_passes(tiles, nf_max, 2 if d == 256 else 1)
+    if not kc:   # the head of the weight stream, prefetched before anything else
+        i0, i1 = passes[0]
+        led.take("w", D.gemm_pass_loads(1, H, [t[1] for t in tiles[i0:i1]], kb, 2)[0])
+    _consts_sbuf(led, tiles, H, norm, bias, 4 * d if qk_norm else 0)
+    ep = _EpilogueSbuf(led, tiles, d, rot, qk_norm, k_transposed)
+    if kc:
+        _kchunk_sbuf(led, ep, T, H, N, len(tiles), kc, ts_max, norm, residual)
+        return led
+    blocks = D.token_blocks(T, tb_max)
+    late_norm = norm and T < DECODE_T_MAX
+    r = D.pack_factor(T, H) if T < DECODE_T_MAX else 1
+    if r > 1:                                           # x_packed_transposed
+        led.take("x_packed", 2 * H // r)
+        if residual:
+            led.take("r_packed", 2 * H // r)
+            led.drop("r_packed")
+        led.take("xT", 2 * KT * T)
+        if late_norm:
+            led.take("squares", 2 * KT * T)
+        led.drop("x_packed")
+    else:                                               # x_rows_normalised, x_transposed
+        rows = D.rows_sbuf(led, "rows", blocks[0][1], H, residual, norm and not late_norm)
+        if late_norm:
+            led.take("squares", 2 * KT * T)
+        led.take("xT", 2 * KT * blocks[0][1])
+        led.drop(*rows)
+    if late_norm:                                       # norm_rows
+        led.take("ones", 2 * P)
+        led.take("rrow", 4 * T)
+        led.drop("ones", "squares")
+    pending = None
+    for bi, (_, tb) in enumerate(blocks):
+        last = bi + 1 == len(blocks)
+        if not last:
+            rows = D.rows_sbuf(led, "rows", blocks[bi + 1][1], H, residual, norm)
+        blk = ep.block(bi, tb)
+        for pi, (i0, i1) in enumerate(passes):
+            D.gemm_pass_sbuf(led, 1, H, [t[1] for t in tiles[i0:i1]], kb, 2,
+                             prefetched=(bi == 0 and pi == 0))
+            hT = ("hT", bi, pi)
+            if late_norm:                               # _evict_pass: rrow scaling first
+                led.take("evict_tmp", 4 * (i1 - i0) * tb)
+            led.take(hT, 2 * (i1 - i0) * tb)
+            if late_norm:
+                led.drop("evict_tmp")
+            if pi + 1 == len(passes) and not last:      # the next block's transposes
+                led.drop("xT")
+                led.take("xT", 2 * KT * blocks[bi + 1][1])
+                led.drop(*rows)
+            if pending is not None:
+                ep.run(*pending)
+                ep.release(pending, blk)
+            pending = (blk, hT, i0, i1)
+        if last:
+            led.drop("xT")
+    ep.run(*pending)
+    return led
+
+
+def _qkv_tiles(n_q, n_kv, d):
+    N = (n_q + 2 * n_kv) * d
+    return D.feature_tiles([(0, n_q * d, 0), (n_q * d, (n_q + n_kv) * d, 1),
+                            ((n_q + n_kv) * d, N, 2)])
+
+
+def _consts_sbuf(led, tiles, H, norm, bias, qk_row):
+    """The identities, the norm weight / bias columns and the QK-norm rows (``qk_row`` bytes
+    each)."""
+    D.identity_sbuf(led, "ident", 2)
+    D.identity_sbuf(led, "ident_f", 4)
+    if norm:
+        D.col_vector_sbuf(led, "gamma_T", H)
+    if bias:                                                    # load_tile_vector
+        for k in range(len({t[2] for t in tiles})):
+            led.take("col_rows", 4 * P)
+            if k == 0:
+                led.take("bias_T", 4 * len(tiles))
+            led.drop("col_rows")
+    if qk_row:
+        led.take("q_norm_row", qk_row)
+        led.take("k_norm_row", qk_row)
+
+
+class _EpilogueSbuf:
+    """The SBUF of ``_Ctx``: RoPE tables per token block, and per epilogue the lane staging,
+    the QK-norm / RoPE temporaries of ``_lanes`` and the transposed-k staging."""
+
+    def __init__(self, led, tiles, d, rot, qk_norm, k_transposed):
+        self.led, self.tiles, self.d, self.rot = led, tiles, d, rot
+        self.qk_norm, self.k_transposed = qk_norm, k_transposed
+
+    def block(self, key, tb):
+        R = tb // P
+        blk = {"key": key, "R": R, "r": tb - R * P, "names": []}
+        if self.rot and R:
+            blk["names"].append(("tab", key))
+            self.led.take(blk["names"][-1], 4 * 2 * R * (self.rot // 2))
+        return blk
+
+    def release(self, pending, blk):
+        self.led.drop(pending[1])
+        if pending[0] is not blk:
+            self.led.drop(*pending[0]["names"])
+
+    def lane_tmp(self, G, kind):
+        """Temporaries of one ``_lanes`` call (all live at its end)."""
+        d, h2 = self.d, self.rot // 2
+        if kind == 2 or (not self.rot and not self.qk_norm):
+            return 0
+        t = 4 * (2 * G * d + 2 * G) if self.qk_norm else 0        # sq, xs; ss, rq
+        if self.rot:
+            t += 4 * 4 * G * h2 + (4 * 4 * h2 if self.qk_norm else 0)   # a, b, a2, b2; tables
+        return t
+
+    def run(self, blk, hT, i0, i1):
+        led, tiles, d = self.led, self.tiles, self.d
+        nd = d // min(d, P)
+        f = i0
+        while f < i1:
+            kind = tiles[f][2]
+            g = f
+            while g < i1 and tiles[g][2] == kind:
+                g += 1
+            kT = kind == 1 and self.k_transposed
+            if blk["R"]:                                # _token_lanes
+                R = blk["R"]
+                nh = (tiles[g - 1][0] + tiles[g - 1][1] - tiles[f][0]) // d
+                hpc = max(1, 1024 // d)
+                led.take("stage", 2 * nh * R * d)
+                for c0 in range(0, nh, hpc):
+                    led.take("lanes", self.lane_tmp(min(hpc, nh - c0), kind))
+                    led.drop("lanes")
+                if kT:
+                    led.take("kT", 2 * nd * nh * P * R)
+                    led.drop("kT")
+                led.drop("stage")
+            if blk["r"]:                                # _pair_lanes
+                r = blk["r"]
+                if d == 256:
+                    units = [1 for _ in range(f, g, 2)]
+                else:
+                    units = [tiles[ft][1] // d for ft in range(f, g)]
+                gmax = max(1, P // r)
+                u = 0
+                while u < len(units):
+                    hpu = units[u]
+                    v = u
+                    while v < len(units) and v - u < gmax and units[v] == hpu:
+                        v += 1
+                    ng = v - u
+                    if self.rot and ("ptab", blk["key"], ng) not in blk["names"]:
+                        blk["names"].append(("ptab", blk["key"], ng))
+                        led.take(blk["names"][-1], 4 * 2 * (self.rot // 2))
+                    led.take("stage", 2 * hpu * d)
+                    led.take("lanes", self.lane_tmp(hpu, kind))
+                    led.drop("lanes")
+                    if kT:
+                        led.take("kT", 2 * nd * ng * hpu * r)
+                        led.drop("kT")
+                    led.drop("stage")
+                    u = v
+            f = g
+
+
+def _kchunk_sbuf(led, ep, T, H, N, nt, kc, ts_max, norm, residual):
+    """``_kchunk_nest``: per super-block the fp32 accumulators, per k-chunk one weight chunk
+    and the transposed activations of this chunk and the next; the epilogue of each group of
+    256 tokens runs behind the next group."""
+    nch = H // P // kc
+    pending = []
+    old = []
+    for si, (_, tsb) in enumerate(D.token_blocks(T, ts_max)):
+        subs = [min(P, tsb - r0) for r0 in range(0, tsb, P)]
+        led.drop(*old)                              # the previous super-block's ssq, acc, scale
+        old = ["acc_sb"]
+        _kc_xT_sbuf(led, "xT_next", len(subs), kc, tsb, nch, norm, residual, 0, old)
+        for ci in range(nch):
+            last = ci + 1 == nch
+            led.take("w_sb", 2 * kc * N)
+            led.live["xT"] = led.live.pop("xT_next")
+            if not last:
+                _kc_xT_sbuf(led, "xT_next", len(subs), kc, tsb, nch, norm, residual, ci + 1, old)
+            elif norm:                                  # _rstd_rows, _row_broadcast
+                for k in range(len(subs)):
+                    if k:
+                        led.drop("ss")
+                    led.take("ss", 4)
+                    led.take(("r", k), 4)
+                D.identity_sbuf(led, "ident_f2", 4)
+                led.take("row", 4 * tsb)
+                led.take("ones_row", 4 * P)
+                led.take("scale", 4 * tsb)
+                led.drop("ident_f2", "row", "ones_row", "ss", *[("r", k) for k in range(len(subs))])
+                old.append("scale")
+            for g0 in range(0, tsb, KC_GROUP):
+                gn = min(KC_GROUP, tsb - g0)
+                if ci == 0 and g0 == 0:
+                    led.take("acc_sb", 4 * nt * tsb)
+                if last:
+                    hT = ("hT", si, g0)
+                    led.take(hT, 2 * nt * gn)
+                    for args in pending:
+                        ep.run(*args)
+                    blk = ep.block((si, g0), gn)
+                    for args in pending:
+                        ep.release(args, blk)
+                    pending = [(blk, hT, 0, nt)]
+            led.drop("xT", "w_sb")
+            if ci == 0 and pending and nch > 1:   # the previous super-block's last group
+                for args in pending:
+                    ep.run(*args)
+                    ep.release(args, None)
+                pending = []
+    for args in pending:
+        ep.run(*args)
+
+
+def _kc_xT_sbuf(led, name, nsub, kc, tsb, nch, norm, residual, ci, old):
+    """``_kc_chunk_xT``: per sub-tile the chunk's rows (+ residual), their squares (the partial
+    sums of squares ``ssq`` are placed by the first chunk), then xT [128, kc, tsb]."""
+    if norm:
+        led.take("g_T", 4 * kc)
+    for k in range(nsub):
+        led.take("xc", 2 * kc * P)
+        if residual:
+            led.take("rc", 2 * kc * P)
+            led.drop("rc")
+        if norm:
+            led.take("sq", 2 * kc * P)
+            if ci == 0:
+                led.take(("ssq", k), 4 * nch)
+                old.append(("ssq", k))
+            led.drop("sq")
+        if k == 0:
+            led.take(name, 2 * kc * tsb)
+        led.drop("xc")
+    if norm:
+        led.drop("g_T")
 
 
 # ------------------------------------------------------------------------------------ kernel
@@ -202,6 +467,7 @@ def qkv_proj_kernel(x, w, bias, residual, norm_w, q_norm_w, k_norm_w, cos, sin,
         xT = D.x_transposed(rows, blocks[0][1], H, gamma_T, ident, squares=sq)  # [128, KT, tb]
         del rows
     rrow = D.norm_rows(sq, H, T, eps) if late_norm else None                  # [128, T]
+    del sq
     pending = None
     ev = 0
     for bi, (t0, tb) in enumerate(blocks):
@@ -268,13 +534,13 @@ def _kchunk_nest(x, w, residual, h_out, norm_w, eps, tiles, bias_T, ctx, kc, ts_
         ssq = [nl.ndarray((ts, nch), dtype=nl.float32, buffer=nl.sbuf) for _, ts in subs] \
             if norm else None                                                   # [ts, nch] each
         acc_sb = nl.ndarray((P, nt, tsb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nt, tsb]
-        xT_next = _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, 0, kc, ident, ssq, 0)
         scale = None
+        xT_next = _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, 0, kc, ident, ssq, 0)
         for ci, k0 in enumerate(chunks):
             last = ci + 1 == nch
             w_sb = nl.ndarray((P, kc, N), dtype=w.dtype, buffer=nl.sbuf)      # [128, kc, N]
             nisa.dma_copy(dst=w_sb, src=w[k0 * P:(k0 + kc) * P, :].reshape_dim(0, (P, kc)))
-            xT = xT_next
+            xT, xT_next = xT_next, None
             if not last:   # the next chunk's transposes go ahead of this GEMM
                 xT_next = _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, chunks[ci + 1], kc,
                                        ident, ssq, ci + 1)
@@ -296,20 +562,26 @@ def _kchunk_nest(x, w, residual, h_out, norm_w, eps, tiles, bias_T, ctx, kc, ts_
                 if last:   # finish this group now; its epilogue runs behind the next group
                     hT = nl.ndarray((P, nt, gn), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, nt, gn]
                     if scale is not None:
-                        dst = hT if bias_T is None else acc
-                        nisa.tensor_tensor(dst=dst, data1=acc, op=nl.multiply,
+                        nisa.tensor_tensor(dst=hT if bias_T is None else acc, data1=acc,
+                                           op=nl.multiply,
                                            data2=scale[:, g0:g0 + gn].expand_dim(1).broadcast(1, nt),
                                            engine=nisa.engine.gpsimd)   # SBUF only: off VectorE
                     if scale is None or bias_T is not None:
                         ev = _evict_pass(hT, acc, tiles, 0, nt, gn, bias_T, ev)
-                    for args in pending:
-                        ctx.epilogue(*args)
+                    _epilogues(ctx, pending)
                     pending = [(ctx.block(s0 + g0, gn), hT, 0, nt)]
+                    del hT   # pending holds it, no longer
+                del acc      # (a view of acc_sb: it would outlive the super-block)
             del xT, w_sb
             if ci == 0 and pending and nch > 1:   # the previous super-block's last epilogue
-                for args in pending:
-                    ctx.epilogue(*args)
+                _epilogues(ctx, pending)
                 pending = []
+    _epilogues(ctx, pending)
+
+
+def _epilogues(ctx, pending):
+    """The pending epilogues (a function: a loop variable of the caller would hold the last
+    one's tiles past their use)."""
     for args in pending:
         ctx.epilogue(*args)
 
@@ -334,12 +606,14 @@ def _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, k0, kc, ident, ssq, ci):
             rc = nl.ndarray((ts, kc * P), dtype=residual.dtype, buffer=nl.sbuf)  # [ts, kc*128]
             nisa.dma_copy(dst=rc, src=residual[t0:t0 + ts, c0:c1])
             nisa.tensor_tensor(dst=xc, data1=xc, data2=rc, op=nl.add)
+            del rc
             nisa.dma_copy(dst=h_out[t0:t0 + ts, c0:c1], src=xc)
         if ssq is not None:
             sq = nl.ndarray((ts, kc * P), dtype=nl.bfloat16, buffer=nl.sbuf)  # [ts, kc*128] discarded
             nisa.activation(dst=sq, op=nl.square, data=xc, reduce_op=nl.add,
                             reduce_res=ssq[r0 // P][:, ci:ci + 1],
                             reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            del sq
         tp = nl.ndarray((P, kc, ts), dtype=nl.bfloat16, buffer=nl.psum)      # [128, kc, ts]
         for j in range(kc):
             nisa.nc_matmul(dst=tp[:, j, :], stationary=xc[:, j:j + kc * (P - 1) + 1:kc],
@@ -351,6 +625,7 @@ def _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, k0, kc, ident, ssq, ci):
             else:
                 nisa.tensor_copy(dst=xT[:, j, r0:r0 + ts], src=tp[:, j, :],
                                  engine=nisa.engine.scalar)
+        del xc   # released before the next sub-tile's rows
     return xT
 
 
@@ -582,6 +857,7 @@ class _Ctx:
                 dst = out[hh:hh + nheads, lo:lo + r, :].reshape_dim(0, (ng, hpu)).permute(
                     (0, 2, 1, 3))
                 nisa.dma_copy(dst=dst, src=stage)
+            del stage   # the next unit group's stage does not overlap this one
             hh += nheads
             u = v
 
@@ -802,7 +1078,10 @@ def qkv_proj(x, w_qkv, *, n_q_heads, n_kv_heads, head_dim, bias=None, residual=N
                                  f"got {list(t.shape)}")
     else:
         rot = 0
-    plan = plan_qkv(T, H, n_q_heads, n_kv_heads, head_dim, sbuf_budget())
+    plan = plan_qkv(T, H, n_q_heads, n_kv_heads, head_dim, sbuf_budget(),
+                    norm=norm_weight is not None, bias=bias is not None,
+                    residual=residual is not None, rot=rot,
+                    qk_norm=q_norm_weight is not None, k_transposed=k_layout == "transposed")
     res = launch(qkv_proj_kernel, x, w_qkv, bias, residual, norm_weight, q_norm_weight,
                  k_norm_weight, cos, sin, n_q_heads, n_kv_heads, head_dim, float(eps),
                  float(qk_eps), rot, rope_layout == "interleaved", k_layout == "transposed",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._limits import sbuf_budget
+from .._limits import SbufLedger, sbuf_budget
 from .._validate import (
     check_2d,
     check_dtype,
@@ -48,6 +48,8 @@ class MLPPlan:
       so each pass still reads weight rows in 2 KiB runs.
     nf_gu, nf_d: feature tiles per pass for gate/up and for down.
     kb_gu, kb_d: weight k-tiles per DMA (tiled: of one feature tile, ~4 KiB per partition).
+    sbuf_bytes: the most SBUF per partition the kernel holds at once with these choices
+      (``mlp_sbuf``: its buffers walked in its order; equal to the emulator's measured peak).
     tiled: weights in the tile-major layout of ``tile_weight``.
     """
 
@@ -66,11 +68,15 @@ class MLPPlan:
     tiled: bool = False
 
 
-def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget, tiled=False) -> MLPPlan:
+def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget, tiled=False, *, norm=True,
+             residual=True) -> MLPPlan:
     """Largest token block (multiple of 64, <= 512) whose SBUF fits, preferring a double-
-    buffered y epilogue at equal block size."""
+    buffered y epilogue at equal block size.
+
+    The SBUF figure is ``mlp_sbuf`` of the candidate: the kernel's own buffers walked in its
+    order, the peak of what it holds at once (norm, residual: the call's options; by default
+    on, which bounds the calls without them)."""
     KT, KI = cdiv(H, P), cdiv(I, P)
-    a_bytes = 1 if fp8 else 2
     best = None
     for tb_max in range(512, 63, -64):
         tb = max(b for _, b in D.token_blocks(T, tb_max))
@@ -81,30 +87,147 @@ def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget, tiled=False) -> MLPPlan:
         cols_gu, cols_d = (P, P) if tiled else (nf_gu * P, nf_d * P)   # per weight transfer
         kb_gu = D.k_tiles_per_dma(cols_gu, w_bytes, H, 4096)
         kb_d = D.k_tiles_per_dma(cols_d, w_bytes, I, 4096)
-        nw = 2 if combined else 1
-        hT = KI * tb * a_bytes
-        fixed = 4 * (KT + 2 * KI) + 2 * 1024          # norm weight / scales, identities
-        rows = H * 2 * cdiv(tb, P)
-        h_gu = hT
-        if fp8:   # norm weight row, token scales; h in bf16 until its scale is known, then both;
-            fixed += H * 4 + 3 * tb * 4 + 3 * H    # + quantization temporaries (xq, xqb)
-            h_gu = KI * tb * 3
-        # gate/up phase: xT, h, weight ring (3 transfers in flight), silu(gate)
-        gu = (KT * tb * a_bytes + h_gu + 3 * nw * kb_gu * cols_gu * w_bytes
-              + nf_gu * tb * (8 if fp8 else 4))
-        for ybuf in (2, 1):
-            # down phase: hT, the next block's rows, weight ring, yT buffers, y / residual rows
-            dn = (hT + rows + 3 * kb_d * cols_d * w_bytes + ybuf * nf_d * tb * 4
-                  + 2 * nf_d * P * 2 * 2)
-            sb = fixed + max(gu, dn)
+        for y_pipe in (True, False):
+            sb = mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8,
+                          tiled, norm=norm, residual=residual).peak
             if sb <= sbuf_budget:
                 return MLPPlan(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, fp8,
-                               ybuf == 2, sb, tiled)
+                               y_pipe, sb, tiled)
             best = sb if best is None else min(best, sb)
         if tb < 64:
             break
     raise ValueError(f"swiglu_mlp: hidden={H}, intermediate={I} need {best} bytes of SBUF per "
                      f"partition even at 64 tokens per block; {sbuf_budget} available")
+
+
+# ------------------------------------------------------------------------------ SBUF plan
+def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=False,
+             tiled=False, *, norm=True, residual=True):
+    """The kernel's SBUF buffers (bytes per partition) in the order ``swiglu_mlp_kernel``
+    takes and releases them, for these tile choices and options: an ``SbufLedger`` whose
+    ``peak`` is the plan's figure.
+
+    It follows the kernel step by step (same helpers for blocks, passes and k-chunks), so a
+    change to one is a change to the other; tests/test_sbuf_plan.py checks the figure against
+    the emulator's measured peak in every regime."""
+    led = SbufLedger()
+    KT, KI = cdiv(H, P), cdiv(I, P)
+    wb = 1 if fp8 else 2
+    nw = 2 if combined else 1
+    gu_tiles = D.feature_tiles([(0, I, 0)])
+    gu_passes = D.group_passes(gu_tiles, nf_gu)
+    d_tiles = D.feature_tiles([(0, H, 0)])
+    d_passes = D.group_passes(d_tiles, nf_d)
+    i0, i1 = gu_passes[0]
+    led.take("w", D.gemm_pass_loads(nw, H, [t[1] for t in gu_tiles[i0:i1]], kb_gu, wb, fp8,
+                                    tiled)[0])
+    D.identity_sbuf(led, "ident", 2)
+    D.identity_sbuf(led, "ident_f", 4)
+    if norm:
+        D.col_vector_sbuf(led, "gamma_T", H)
+    if fp8:   # _Fp8: weight scales as columns, the norm weight as a row, a row of ones
+        for name, n in (("s_gate", I), ("s_up", I), ("s_down", H)):
+            D.col_vector_sbuf(led, name, n)
+        if norm:
+            led.take("gamma_row", 4 * H)
+        led.take("ones", 4 * P)
+        if norm:
+            led.drop("gamma_T")
+    blocks = D.token_blocks(T, tb_max)
+
+    def quantize_step(k):                 # _Fp8.quantize_rows, one sub-tile
+        for n in ("mx", "mn", "amax", ("sc", k), "inv"):
+            led.take(n, 4)
+        led.take("xq", H)
+        led.take(("xqb", k), 2 * H)
+        led.drop(("rows", k), "mx", "mn", "amax", "inv", "xq")
+
+    def x_block(tb, rows):                # _x_block, then rows_next = None
+        if fp8:                           # row_scales, then the FP8 xT (double_row padding)
+            led.take("a_row", 4 * tb)
+            led.take("A", 4 * tb)
+            led.drop("a_row")
+            led.take("xT", (KT + KT % 2) * tb)
+            led.drop(*[n for k in range(len(rows)) for n in (("xqb", k), ("sc", k))])
+        else:
+            led.take("xT", 2 * KT * tb)
+            led.drop(*rows)
+
+    rows = D.rows_sbuf(led, "rows", blocks[0][1], H, False, norm)
+    for k in range(len(rows) if fp8 else 0):
+        quantize_step(k)
+    x_block(blocks[0][1], rows)
+    pending = None
+    for bi, (_, tb) in enumerate(blocks):
+        last_block = bi + 1 == len(blocks)
+        for pi, (i0, i1) in enumerate(gu_passes):
+            widths = [gu_tiles[i][1] for i in range(i0, i1)]
+            nf = i1 - i0
+            D.gemm_pass_sbuf(led, nw, H, widths, kb_gu, wb, fp8, tiled,
+                             prefetched=(bi == 0 and pi == 0))
+            if fp8:                       # _silu_evict: token scale, then silu
+                led.take("ga", 4 * nf * tb)
+                led.take("sg", 4 * nf * tb)
+                led.drop("ga")
+            else:
+                led.take("sg", 4 * nf * tb)
+            if not combined:
+                D.gemm_pass_sbuf(led, 1, H, widths, kb_gu, wb, fp8, tiled)
+            if fp8:                       # h of the pass in bf16, its running max|h|
+                led.take(("hp", pi), 2 * nf * tb)
+                led.take("ab", 2 * nf * tb)
+                led.take("hmax" if pi == 0 else "pm", 4 * tb)
+                led.drop("ab", *([] if pi == 0 else ["pm"]))
+            elif pi == 0:
+                led.take("hT", 2 * KI * tb)
+            led.drop("sg")
+        led.drop("xT", *(["A"] if fp8 else []))
+        if fp8:                           # quantize_h
+            for n in ("h_amax", "h_sc", "h_inv", "B", "Binv"):
+                led.take(n, 4 * tb)
+            led.take("hT", (KI + KI % 2) * tb)
+            for pi in range(len(gu_passes)):
+                led.drop(("hp", pi))
+            led.drop("h_amax", "h_sc", "h_inv", "Binv", "hmax")
+        if not last_block:
+            tnb = blocks[bi + 1][1]
+            rows = D.rows_sbuf(led, "rows", tnb, H, False, norm)
+        qsteps = []
+        for pi, (j0, j1) in enumerate(d_passes):
+            widths = [d_tiles[j][1] for j in range(j0, j1)]
+            last = pi + 1 == len(d_passes)
+            D.gemm_pass_sbuf(led, 1, I, widths, kb_d, wb, fp8, tiled)
+            yT = ("yT", bi, pi)
+            led.take(yT, 4 * (j1 - j0) * tb)
+            if not last_block and pi == 0 and fp8:
+                qsteps = list(range(len(rows)))
+            if last and not last_block:
+                while qsteps:
+                    quantize_step(qsteps.pop(0))
+                x_block(tnb, rows)
+            if pending is not None:
+                _store_y_sbuf(led, pending[1], pending[2], residual)
+                led.drop(pending[0])
+            pending = (yT, tb, sum(widths))
+            if not y_pipe:
+                _store_y_sbuf(led, tb, sum(widths), residual)
+                led.drop(yT)
+                pending = None
+            if qsteps and not last:
+                quantize_step(qsteps.pop(0))
+        led.drop("hT", *(["B"] if fp8 else []))
+    if pending is not None:
+        _store_y_sbuf(led, pending[1], pending[2], residual)
+    return led
+
+
+def _store_y_sbuf(led, tb, ncols, residual):
+    """``_store_y``: per sub-tile of 128 tokens the residual rows and the output rows."""
+    for _ in range(0, tb, P):
+        if residual:
+            led.take("r_sb", 2 * ncols)
+        led.take("y_sb", 2 * ncols)
+        led.drop("y_sb", *(["r_sb"] if residual else []))
 
 
 # ------------------------------------------------------------------------------------ kernel
@@ -205,7 +328,7 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
         B = None
         if fp8:   # per-token scale of h: max over partitions, then quantize every pass tile
             hT, B = q.quantize_h(h_parts, hmax, KI, tb)
-            del h_parts
+            del h_parts, hmax
         if bi + 1 < len(blocks):   # next block's loads and norm overlap this block's down GEMM
             tn0, tnb = blocks[bi + 1]
             rows_next = D.x_rows_normalised(x, tn0, tnb, None, None, norm, eps)
@@ -239,7 +362,7 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
             del yT
             if qsteps and not last:
                 qsteps.pop(0)()
-        del hT
+        del hT, B
     if pending is not None:
         _store_y(y, residual, ident_f, *pending)
     return y
@@ -546,7 +669,8 @@ def swiglu_mlp(x, w_gate, w_up, w_down, *, norm_weight=None, eps=1e-6, residual=
                              f"{list(residual.shape)}")
         check_dtype(name, "residual", residual, ("bfloat16",))
     wb = 1 if fp8 else 2
-    plan = plan_mlp(T, H, I, wb, fp8, sbuf_budget(), tiled)
+    plan = plan_mlp(T, H, I, wb, fp8, sbuf_budget(), tiled, norm=norm_weight is not None,
+                    residual=residual is not None)
     return launch(swiglu_mlp_kernel, x, w_gate, w_up, w_down, norm_weight, residual,
                   sc[0], sc[1], sc[2], float(eps), plan.tb_max, plan.combined, plan.nf_gu,
                   plan.nf_d, plan.kb_gu, plan.kb_d, plan.y_pipe, tiled)
