@@ -167,9 +167,14 @@ def flops_fused_moe(n_assign, H, I, T=0, shared_I=0):
     return 6 * H * I * n_assign + 6 * T * H * shared_I
 
 
-def bytes_fused_moe(T, H, I, n_distinct, top_k, w_itemsize=2, shared_I=0):
-    """Compulsory HBM traffic: the distinct chosen experts' weights once (+ FP8 scales), the
-    shared expert's weights, x and y, the routing (weights fp32 + ids int32)."""
+def bytes_fused_moe(T, H, I, n_distinct, top_k, w_itemsize=2, shared_I=0, mx=False):
+    """Compulsory HBM traffic: the distinct chosen experts' weights once (+ FP8 scales; MXFP8:
+    1 byte per weight + one E8M0 byte per block of 32), the shared expert's weights, x and y,
+    the routing (weights fp32 + ids int32)."""
+    if mx:
+        per = 3 * H * I + 3 * H * I // 32
+        sh = 3 * H * shared_I + 3 * H * shared_I // 32
+        return n_distinct * per + sh + 2 * T * H * 2 + T * top_k * 8
     scales = 4 * (2 * I + H) if w_itemsize == 1 else 0
     sh = (3 * H * shared_I * w_itemsize + (4 * (2 * shared_I + H) if w_itemsize == 1 else 0)
           if shared_I else 0)

@@ -15,6 +15,11 @@ expert) pairs, bytes of the *distinct* chosen local experts' weights read once, 
 routing. Decode rows (T <= 64) are HBM-bound (goal: 80% of the memory roof on Trn3); prefill
 rows (T = 4096) are TensorE-bound when an expert gets more tokens than the ridge (goal: 75% of
 the TensorE peak of the dtype on Trn3).
+
+MXFP8 rows (Trn3 only, ``shapes.MOE_MX_TARGETS``: Qwen3-30B-A3B T = 1, 8, 64, 4096 and
+DeepSeek-V3 EP8 T = 8, 4096) take the experts from ``quantize_expert_weights_mx`` (the MX tile
+layout, 1 byte per weight + 1/32 scale byte) and are measured against the MX TensorE peak (4x
+bf16) and the HBM roof.
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ import ml_dtypes
 import numpy as np
 
 from nki_kernels.bench.defs import BenchCase, check_rows, register
-from nki_kernels.moe.fused_moe import DECODE_T_MAX, fused_moe
+from nki_kernels.moe.fused_moe import DECODE_T_MAX, fused_moe, quantize_expert_weights_mx
+from nki_kernels.quant.mxfp8_matmul import MXTensor
 from nki_kernels.reference import shapes
 from nki_kernels.reference.compare import cosine_similarity
 from nki_kernels.reference.fused_moe import (
@@ -70,17 +76,41 @@ def _expert_weights(rng, E, K, N, fp8=False):
     return out
 
 
+def _mx_expert_weights(rng, E, H, I):
+    """MXFP8 experts ``(gate_up, down)`` MXTensors with E experts: two random experts quantized
+    once, alternated (the values do not change the modeled time)."""
+    g = rng.standard_normal((2, H, 2 * I), dtype=np.float32) * H ** -0.5
+    d = rng.standard_normal((2, I, H), dtype=np.float32) * I ** -0.5
+    qg, qd = quantize_expert_weights_mx(g, d)
+    del g, d
+    out = []
+    for q in (qg, qd):
+        data = np.empty((E,) + q.data.shape[1:], np.uint32)
+        scale = np.empty((E,) + q.scale.shape[1:], np.uint8)
+        for e in range(E):
+            data[e], scale[e] = q.data[e % 2], q.scale[e % 2]
+        out.append(MXTensor(data, scale, q.fmt, q.k))
+    return out
+
+
 def moe_case(s: shapes.MoEShape, dtype: str = "bf16") -> BenchCase:
     T, H, I, k = s.tokens, s.hidden, s.intermediate, s.top_k
     E = s.n_local or s.n_experts
     Is = s.shared_intermediate
     fp8 = dtype == "fp8"
+    mx = dtype == "mx"
     w, ids = routing_of(s)
     n_assign = local_assignments(ids, E)
     n_distinct = distinct_local_experts(ids, E)
 
     def make_inputs(rng):
         x = rng.standard_normal((T, H), dtype=np.float32).astype(BF16)               # [T, H]
+        if mx:
+            ws = _mx_expert_weights(rng, E, H, I)
+            if Is:
+                sg, sd = _mx_expert_weights(rng, 1, H, Is)
+                ws += [MXTensor(a.data[0], a.scale[0], a.fmt, a.k) for a in (sg, sd)]
+            return (x, w, ids, *ws)
         dims = [(E, H, 2 * I), (E, I, H)] + ([(1, H, 2 * Is), (1, Is, H)] if Is else [])
         ws = [_expert_weights(rng, *d, fp8=fp8) for d in dims]
         if not fp8:
@@ -105,6 +135,14 @@ def moe_case(s: shapes.MoEShape, dtype: str = "bf16") -> BenchCase:
     def check(inputs, y):
         if fp8:
             return
+        if mx:
+            x, w_, ids_, wgu, wd, *shared = inputs
+            rows = check_rows(T)
+            ref = fused_moe_ref(x[rows], tuple(wgu), tuple(wd), w_[rows], ids_[rows],
+                                shared=tuple(tuple(a) for a in shared) if shared else None)
+            cs = cosine_similarity(np.asarray(y, np.float32)[rows], ref.astype(np.float32))
+            assert cs > 0.9999, f"fused_moe {s.name} (MX): cosine similarity {cs:.6f}"
+            return
         x, w_, ids_, wgu, wd, *shared = inputs
         rows = check_rows(T)
         ref = fused_moe_ref(x[rows], wgu, wd, w_[rows], ids_[rows],
@@ -118,8 +156,8 @@ def moe_case(s: shapes.MoEShape, dtype: str = "bf16") -> BenchCase:
         dims={"T": T, "H": H, "I": I, "E": E, "k": k, "experts_read": n_distinct},
         dtype=dtype, make_inputs=make_inputs, run=run,
         flops=flops_fused_moe(n_assign, H, I, T, Is),
-        bytes=bytes_fused_moe(T, H, I, n_distinct, k, 1 if fp8 else 2, Is),
-        roof_kind="fp8" if fp8 else "bf16", check=check,
+        bytes=bytes_fused_moe(T, H, I, n_distinct, k, 1 if fp8 else 2, Is, mx=mx),
+        roof_kind="mx" if mx else "fp8" if fp8 else "bf16", check=check,
         goal={"trn3": 80.0 if decode else 75.0} if s in shapes.MOE_TARGETS else None)
 
 
@@ -131,6 +169,9 @@ def cases(tier: str, target: str):
             yield moe_case(s, "bf16")
         for s in shapes.MOE_TARGETS:
             yield moe_case(s, "fp8")
+        if target == "trn3":
+            for s in shapes.MOE_MX_TARGETS:
+                yield moe_case(s, "mx")
         return
     for s in t.moe:
         yield moe_case(s, "bf16")

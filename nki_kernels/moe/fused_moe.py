@@ -52,7 +52,12 @@ from ..dense.swiglu_mlp import (
     _x_block,
     _x_quantize,
 )
-from ..quant.mxfp8_matmul import CHUNK, MXTensor, _load_tiles, quantize_weights_mx
+from ..quant.mxfp8_matmul import (
+    CHUNK,
+    MXTensor,
+    _load_data_tiles,
+    quantize_weights_mx,
+)
 
 try:                                   # the shared limits module (being introduced)
     from .._limits import sbuf_budget as _sbuf_budget
@@ -68,6 +73,7 @@ RIDGE_TOKENS = 149       # Trn3 bf16 / FP8 ridge in tokens per weight stream (do
 RIDGE_TOKENS_TRN2 = 217  # Trn2
 DMA_BYTES = 4096         # weight bytes per partition per transfer (8192: no gain, modeled)
 RIDGE_TOKENS_MX = 298    # Trn3 MXFP8: 4x the bf16 TensorE rate on 1-byte weights = 2x the bf16 ridge
+COMB_RESIDENT_BYTES = 32768  # MX decode: routing plan kept on one partition up to this size
 MX_DMA_BYTES = 8192      # MX weight bytes per partition per transfer (whole 128-column tiles)
 _MX_FMTS = {"e4m3fn": "float8_e4m3fn_x4", "e5m2": "float8_e5m2_x4"}
 
@@ -500,26 +506,55 @@ def _mx_views(w_gu, s_gu, w_d, s_d, e):
     return w_gu.select(0, e), s_gu.select(0, e), w_d.select(0, e), s_d.select(0, e)
 
 
-def _mx_pass(w, s, K, KT, f0, fw, kb, mov, mov_s, acc, x4):
-    """``acc[0:128, f, 0:N] = W[:, f0 + 128f ..].T @ mov`` over the KT chunks (MX data ``w``
-    ``[128, KT*F]`` x4 and scale image ``s`` in HBM; ``mov [128, KT, N]`` x4, ``mov_s`` its
-    scales): weight tiles loaded ``kb`` at a time (one contiguous run per partition)."""
+# rows 4..7 and 12..15 of each quadrant <- rows 20..23 and 28..31 (the staged scale rows)
+_SHUFFLE_SCALES = [16 + i if (i // 4) % 2 else 255 for i in range(16)] + [255] * 16
+
+
+def _mx_scales(s, KT, F):
+    """All the E8M0 scales of one MX weight (image ``s [64, SL*F]`` in HBM) -> SBUF
+    ``[128, F/128, SL, 128]`` (image row 16Q + r at partition 32Q + r), ahead of the data, one
+    run of ``SL*F`` bytes per image row (a run per weight group would be shorter than a DMA
+    descriptor's fixed cost: ~30% efficiency).
+
+    Scales sit at partitions 0..15 of each quadrant, which only DMA queues 4Q and 4Q+1 serve
+    (8 partitions per queue), so those queues would carry every scale byte besides their share
+    of the weight stream. Rows 4..7 and 12..15 of each quadrant therefore land 16 partitions
+    lower (partitions 20..23, 28..31: queues 4Q+2, 4Q+3) in a staging tile, and one
+    ``nc_stream_shuffle`` (VectorE, within each quadrant) moves them up: every queue carries a
+    quarter of the quadrant's scale rows."""
+    SL = cdiv(KT, 4)
+    nt = F // P
+    ws = nl.ndarray((P, nt, SL, P), dtype=nl.uint8, buffer=nl.sbuf)           # [128, nt, SL, 128]
+    st = nl.ndarray((P, nt, SL, P), dtype=nl.uint8, buffer=nl.sbuf)           # [128, nt, SL, 128]
+    for Q in range(4):
+        for r in range(0, 16, 4):
+            p = 32 * Q + r + (16 if (r // 4) % 2 else 0)
+            nisa.dma_copy(dst=(st if (r // 4) % 2 else ws)[p:p + 4, :, :, :],
+                          src=s[16 * Q + r:16 * Q + r + 4, 0:SL * F])
+    nisa.nc_stream_shuffle(dst=ws, src=st, shuffle_mask=_SHUFFLE_SCALES)
+    return ws
+
+
+def _mx_pass(w, ws, t0, K, KT, fw, kb, mov, mov_s, acc, x4):
+    """``acc[0:128, f, 0:N] = W[:, 128(t0 + f) ..].T @ mov`` over the KT chunks (MX data ``w``
+    ``[128, KT*F]`` x4 in HBM, its scales ``ws`` in SBUF (:func:`_mx_scales`); ``mov
+    [128, KT, N]`` x4, ``mov_s`` its scales): weight tiles loaded ``kb`` at a time (one
+    contiguous run per partition)."""
     N = mov.shape[2]
     nf = fw // P
     for g0 in range(0, nf, kb):
         g1 = min(nf, g0 + kb)
         wq = nl.ndarray((P, g1 - g0, KT, P), dtype=x4, buffer=nl.sbuf)         # [128, g, KT, 128]
-        ws = nl.ndarray((P, g1 - g0, cdiv(KT, 4), P), dtype=nl.uint8,
-                        buffer=nl.sbuf)                                         # [128, g, SL, 128]
-        _load_tiles(w, s, wq, ws, KT, f0 + g0 * P, (g1 - g0) * P)
+        _load_data_tiles(w, wq, KT, 0, KT, (t0 + g0) * P, (g1 - g0) * P)
         for f in range(g0, g1):
             for c in range(KT):
                 kk = min(P, (K - c * CHUNK) // 4)
                 o = 4 * (c % 4)
                 nisa.nc_matmul_mx(dst=acc[:, f, 0:N], stationary=wq[0:kk, f - g0, c, :],
-                                  moving=mov[0:kk, c, 0:N], stationary_scale=ws[o:P, f - g0, c // 4, :],
+                                  moving=mov[0:kk, c, 0:N],
+                                  stationary_scale=ws[o:P, t0 + f, c // 4, :],
                                   moving_scale=mov_s[o:P, c // 4, 0:N], accumulate=(c > 0))
-        del wq, ws
+        del wq
 
 
 def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink):
@@ -531,6 +566,8 @@ def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink
     KTh, KI = cdiv(H, CHUNK), I // P
     KC = cdiv(KI, 4)
     Tp = D.acc_free(tb)
+    gs = _mx_scales(s_gu, KTh, 2 * I)                                          # [128, 2KI, SL, 128]
+    ds = _mx_scales(s_d, KC, H)                                                # [128, H/128, SL, 128]
     hT = nl.ndarray((P, 4 * KC, tb), dtype=nl.bfloat16, buffer=nl.sbuf)        # [128, 4KC, tb]
     if KI % 4:      # lanes of the missing tiles (their weight rows are zero; keep them finite)
         nisa.memset(dst=hT[:, KI:4 * KC, :], value=0.0)
@@ -540,8 +577,8 @@ def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink
         widths = [P] * nf
         acc_g = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)        # [128, nf, Tp]
         acc_u = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)        # [128, nf, Tp]
-        _mx_pass(w_gu, s_gu, H, KTh, i0 * P, nf * P, plan.kb_gu, xq, xs, acc_g, x4)
-        _mx_pass(w_gu, s_gu, H, KTh, I + i0 * P, nf * P, plan.kb_gu, xq, xs, acc_u, x4)
+        _mx_pass(w_gu, gs, i0, H, KTh, nf * P, plan.kb_gu, xq, xs, acc_g, x4)
+        _mx_pass(w_gu, gs, KI + i0, H, KTh, nf * P, plan.kb_gu, xq, xs, acc_u, x4)
         sg = _silu_evict(acc_g, widths, tb, None, None, i0)                     # [128, nf, tb]
         del acc_g
         if wrow is not None:   # the routing weight of each token (0: it did not choose it)
@@ -559,7 +596,7 @@ def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink
     for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
         widths = [d_tiles[j][1] for j in range(j0, j1)]
         acc = nl.ndarray((P, j1 - j0, Tp), dtype=nl.float32, buffer=nl.psum)     # [128, nf, Tp]
-        _mx_pass(w_d, s_d, 4 * P * KC, KC, j0 * P, (j1 - j0) * P, plan.kb_d, hq, hs, acc, x4)
+        _mx_pass(w_d, ds, j0, 4 * P * KC, KC, (j1 - j0) * P, plan.kb_d, hq, hs, acc, x4)
         sink(acc, j0, widths, None)
         del acc
 
@@ -651,18 +688,30 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
 
     n_reg = nisa.register_alloc()
     nisa.register_load(dst=n_reg, src=n_sb)
+    comb_sb = None
+    if mx is not None and comb.shape[0] * T * 4 <= COMB_RESIDENT_BYTES:
+        # the whole plan in one DMA: a per-expert row DMA would sit in front of the weight
+        # stream of its queue (~0.5 us each, modeled)
+        comb_sb = nl.ndarray((1, comb.shape[0], T), dtype=nl.float32, buffer=nl.sbuf)  # [1, S, T]
+        nisa.dma_copy(dst=comb_sb, src=comb.reshape((1, comb.shape[0], T)))
 
     def body(s):
         e = nisa.register_alloc()
         nisa.register_load(dst=e, src=ids_sb[0:1, nl.ds(s, 1)])
-        meta = nl.ndarray((1, comb.shape[1]), dtype=nl.float32, buffer=nl.sbuf)  # [1, T(+2I+H)]
-        nisa.dma_copy(dst=meta, src=comb[nl.ds(s, 1), :])
         if mx is not None:
-            wrow = _row_broadcast(meta[:, 0:T], T, ones)                        # [128, T]
+            if comb_sb is not None:     # the slot's row from the resident plan (no DMA)
+                row = nl.ndarray((1, T), dtype=nl.float32, buffer=nl.sbuf)      # [1, T]
+                nisa.tensor_copy(dst=row, src=comb_sb[0:1, nl.ds(s, 1), :], engine=nisa.engine.gpsimd)
+            else:
+                row = nl.ndarray((1, T), dtype=nl.float32, buffer=nl.sbuf)      # [1, T]
+                nisa.dma_copy(dst=row, src=comb[nl.ds(s, 1), :])
+            wrow = _row_broadcast(row, T, ones)                                 # [128, T]
             _expert_step_mx(xq, xs, T, H, I, *_mx_views(w_gu, s_gu, w_d, s_d, e), wrow, plan,
                             mx, sink)
             return
         wgu, wd = _expert_views(w_gu, w_d, e)
+        meta = nl.ndarray((1, comb.shape[1]), dtype=nl.float32, buffer=nl.sbuf)  # [1, T(+2I+H)]
+        nisa.dma_copy(dst=meta, src=comb[nl.ds(s, 1), :])
         if fp8:
             _scale_cols(q, meta[:, T:T + 2 * I], meta[:, T + 2 * I:T + 2 * I + H], I, H, ident_f)
         wrow = _row_broadcast(meta[:, 0:T], T, ones)                            # [128, T]
