@@ -582,6 +582,9 @@ MOE_TARGETS = (tuple(moe_of(QWEN3_30B_A3B, t) for t in (1, 8, 64, 4096))
                + tuple(moe_shard_of(DEEPSEEK_V3, t, ep=8, **DEEPSEEK_V3_ROUTING)
                        for t in (1, 8, 64, 4096))
                + tuple(moe_of(MIXTRAL_8X7B_TP8, t) for t in (1, 8, 64, 4096)))
+# MXFP8 expert weights (Trn3) of issue 18: Qwen3-30B-A3B T = 1, 8, 64, 4096; DeepSeek-V3 EP8
+# T = 8 and 4096 (a subset of MOE_TARGETS, benched with dtype "mx").
+MOE_MX_TARGETS = MOE_TARGETS[0:4] + (MOE_TARGETS[5], MOE_TARGETS[7])
 
 MODELS = Tier(
     "models",
