@@ -206,10 +206,11 @@ def flops_mla_decode(lens, s_q: int, heads: int, rank: int = 512, rope: int = 64
 
 
 def bytes_mla_decode(lens, s_q: int, heads: int, cache_itemsize: int, rank: int = 512,
-                     rope: int = 64) -> float:
-    """Compulsory HBM bytes: each valid latent row read once (``(rank + rope) x itemsize``), q
-    (bf16 nope + rope) and o (bf16, rank wide) of every sequence."""
+                     rope: int = 64, token_scale_bytes: int = 0) -> float:
+    """Compulsory HBM bytes: each valid latent row read once (``(rank + rope) x itemsize``, plus
+    ``token_scale_bytes`` of its per-token FP8 scale: 4 for fp32), q (bf16 nope + rope) and o
+    (bf16, rank wide) of every sequence."""
     tokens = sum(int(L) for L in lens)
     B = len(lens)
-    return float(tokens * (rank + rope) * cache_itemsize
+    return float(tokens * ((rank + rope) * cache_itemsize + token_scale_bytes)
                  + B * s_q * heads * (rank + rope) * 2 + B * s_q * heads * rank * 2)

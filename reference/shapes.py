@@ -381,7 +381,8 @@ DECODE_DEFAULT = (decode_bench_of(LLAMA3_8B, 2048, batch=8, page_size=64),)
 class MLADecodeShape:
     """An MLA decode row: ``lens`` (tokens per sequence, new ones included), ``q_len`` new tokens,
     ``n_heads`` query heads, the latent widths, the cache (``page_size`` 0 = contiguous), its
-    dtype ("fp8" = the target's FP8) and cores used."""
+    dtype ("fp8" = the target's FP8), cores used and the FP8 scale granularity (``kv_scale``
+    "tensor" or "token": one fp32 scale per cache slot)."""
     name: str
     lens: tuple
     q_len: int
@@ -391,6 +392,7 @@ class MLADecodeShape:
     page_size: int = 0
     kv_dtype: str = "bfloat16"
     lnc: int = 1
+    kv_scale: str = "tensor"
 
     @property
     def batch(self) -> int:
@@ -398,15 +400,17 @@ class MLADecodeShape:
 
 
 def mla_decode_of(cfg: ModelConfig, kv_len: int, batch: int = 1, q_len: int = 1,
-                  page_size: int = 0, kv_dtype: str = "bfloat16", lnc: int = 1) -> MLADecodeShape:
+                  page_size: int = 0, kv_dtype: str = "bfloat16", lnc: int = 1,
+                  kv_scale: str = "tensor") -> MLADecodeShape:
     if not cfg.is_mla:
         raise ValueError(f"{cfg.name} has no multi-head latent attention")
     extra = "".join([f" s_q={q_len}" if q_len > 1 else "",
                      f" paged/{page_size}" if page_size else "",
-                     " fp8" if kv_dtype != "bfloat16" else "", f" LNC={lnc}" if lnc > 1 else ""])
+                     " fp8" if kv_dtype != "bfloat16" else "",
+                     " per-token" if kv_scale == "token" else "", f" LNC={lnc}" if lnc > 1 else ""])
     return MLADecodeShape(f"{_slug(cfg)} MLA H={cfg.n_q_heads} B={batch} L={_k(kv_len)}{extra}",
                           (kv_len,) * batch, q_len, cfg.n_q_heads, cfg.kv_lora_rank,
-                          cfg.qk_rope_head_dim, page_size, kv_dtype, lnc)
+                          cfg.qk_rope_head_dim, page_size, kv_dtype, lnc, kv_scale)
 
 
 DEEPSEEK_V3_TP8 = DEEPSEEK_V3.tp_shard(8)
@@ -425,6 +429,14 @@ MLA_MODELS = (
     mla_decode_of(DEEPSEEK_V3_TP8, 4096, batch=32, page_size=64),
     mla_decode_of(DEEPSEEK_V3_TP8, 4096, batch=128, page_size=64, kv_dtype="fp8"),
     mla_decode_of(DEEPSEEK_V3_TP8, 32768, batch=32, page_size=64, q_len=2),
+)
+# FP8 latent caches with per-token scales (the per-tensor FP8 rows of MLA_MODELS, per token)
+MLA_TOKEN_MODELS = (
+    mla_decode_of(DEEPSEEK_V3, 32768, kv_dtype="fp8", kv_scale="token"),
+    mla_decode_of(DEEPSEEK_V3, 32768, batch=32, page_size=64, kv_dtype="fp8", kv_scale="token"),
+    mla_decode_of(DEEPSEEK_V3_TP8, 32768, kv_dtype="fp8", kv_scale="token"),
+    mla_decode_of(DEEPSEEK_V3_TP8, 4096, batch=128, page_size=64, kv_dtype="fp8",
+                  kv_scale="token"),
 )
 MLA_DEFAULT = (mla_decode_of(DEEPSEEK_V3_TP8, 4096),)
 MLA_FAST = (MLADecodeShape("small mla H=16 B=2 L=300", (300, 77), 1, 16, page_size=16),

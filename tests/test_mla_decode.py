@@ -31,7 +31,12 @@ from nki_kernels.reference.mla_decode import (
     mla_unabsorbed_ref,
     random_weights,
 )
-from nki_kernels.reference.shapes import DEEPSEEK_V3, MLA_MODELS, mla_decode_of
+from nki_kernels.reference.shapes import (
+    DEEPSEEK_V3,
+    MLA_MODELS,
+    MLA_TOKEN_MODELS,
+    mla_decode_of,
+)
 
 BF16 = ml_dtypes.bfloat16
 FP8 = {"trn2": ml_dtypes.float8_e4m3, "trn3": ml_dtypes.float8_e4m3fn}
@@ -337,6 +342,12 @@ def test_bench_formulas_and_rows():
     assert {r.batch for r in MLA_MODELS} == {1, 32, 128}
     assert {max(r.lens) for r in MLA_MODELS} == {4096, 32768}
     assert {r.kv_dtype for r in MLA_MODELS} == {"bfloat16", "fp8"}
+    assert bytes_mla_decode(lens, 1, 16, 1, token_scale_bytes=4) == \
+        4196 * (576 + 4) + 2 * 16 * 576 * 2 + 2 * 16 * 512 * 2
+    assert {(r.kv_dtype, r.kv_scale) for r in MLA_TOKEN_MODELS} == {("fp8", "token")}
+    assert {r.n_heads for r in MLA_TOKEN_MODELS} == {128, 16}
+    assert all("fp8 per-token" in r.name for r in MLA_TOKEN_MODELS)
+    assert {r.kv_scale for r in MLA_MODELS} == {"tensor"}
     with pytest.raises(ValueError, match="no multi-head latent attention"):
         from nki_kernels.reference.shapes import LLAMA3_8B
         mla_decode_of(LLAMA3_8B, 4096)

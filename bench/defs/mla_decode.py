@@ -2,14 +2,16 @@
 
 Shapes: ``reference.shapes``: ``default`` runs ``MLA_DEFAULT`` (one small real row: DeepSeek-V3
 TP8, H = 16, B = 1, 4K); ``models`` runs ``MLA_MODELS`` (the issue's rows: H = 128 and 16, B = 1 /
-32 / 128, 4K and 32K, s_q 1 and 2, bf16 and FP8 caches, paged/64 and contiguous); ``fast`` /
-``odd`` run ``MLA_FAST`` (toy shapes).
+32 / 128, 4K and 32K, s_q 1 and 2, bf16 and FP8 caches, paged/64 and contiguous) and
+``MLA_TOKEN_MODELS`` (its FP8 rows with per-token scales: one fp32 per cache slot, log-uniform in
+2^-4..1); ``fast`` / ``odd`` run ``MLA_FAST`` (toy shapes).
 
 Batch slices: rows whose whole batch holds more than SLICE_TOKENS cached tokens run the first
 ``SLICE_TOKENS / L`` sequences of the batch (sequences are independent and processed one after
 the other, so every engine sees the per-byte work of the whole batch); the shape name says so.
 Compulsory bytes (``reference``'s ``bytes_mla_decode``) are the valid latent rows read once
-(576 x the cache's item size per token) plus q and o, of the sequences that ran.
+(576 x the cache's item size per token, + 4 bytes of per-token scale) plus q and o, of the
+sequences that ran.
 
 Goal (the issue's): at least 80% of the binding roof (TensorE bf16 peak or HBM) on Trn3 for every
 row whose full-batch cache read is 8 MB or more; Trn2 reported. The check compares the first and
@@ -46,7 +48,8 @@ def mla_case(s, target: str) -> BenchCase:
     rank, rope, H, s_q, bs = s.kv_lora_rank, s.rope_dim, s.n_heads, s.q_len, s.page_size
     width = rank + rope
     name = s.name if n_run == len(full) else f"{s.name} ({n_run} of {len(full)} sequences)"
-    scales = dict(kv_scale=KV_SCALE) if fp8 else {}
+    tok = fp8 and getattr(s, "kv_scale", "tensor") == "token"
+    scales = dict(kv_scale=KV_SCALE) if fp8 and not tok else {}
 
     def make_inputs(rng):
         B = len(lens)
@@ -65,22 +68,29 @@ def mla_case(s, target: str) -> BenchCase:
         else:
             kv = rng.standard_normal((B, max(lens), width), dtype=np.float32).astype(kv_dt)
             table = None
-        return qn, qr, kv, np.asarray(lens, dtype=np.int32), table
+        ks = (2.0 ** rng.uniform(-4.0, 0.0, size=kv.shape[:2])).astype(np.float32) if tok \
+            else None
+        return qn, qr, kv, np.asarray(lens, dtype=np.int32), table, ks
 
-    def run(qn, qr, kv, seq_lens, table):
+    def run(qn, qr, kv, seq_lens, table, ks):
+        tok_kw = dict(kv_scale=ks) if tok else {}
         return mla_decode(qn, qr, kv, seq_lens, block_table=table, scale=SCALE, lnc=s.lnc,
-                          **scales)
+                          **scales, **tok_kw)
 
     def check(inputs, out):
-        qn, qr, kv, seq_lens, table = inputs
+        qn, qr, kv, seq_lens, table, ks = inputs
         o, lse = out
         pick = sorted({0, len(lens) - 1})[:CHECK_SEQS]
         sub = [lens[b] for b in pick]
         kk, tt = (kv[pick], None) if table is None else (kv, table[pick])
         kw = dict(block_table=tt, scale=SCALE, **scales)
+        deq = None
+        if tok:                       # the kernel dequantizes per-token tiles to bf16 (documented)
+            kw["kv_scale"] = ks[pick] if table is None else ks
+            deq = "bfloat16"
         exact = mla_decode_ref(qn[pick], qr[pick], kk, sub, compute_dtype=np.float64, **kw)
         same = mla_decode_ref(qn[pick], qr[pick], kk, sub, p_dtype="bfloat16",
-                              out_dtype="bfloat16", **kw)
+                              out_dtype="bfloat16", dequant_dtype=deq, **kw)
         assert_attention_close(o[pick], same[0], exact[0], what=f"mla_decode {name}")
         assert_attention_close(lse[pick], same[1], exact[1], what=f"mla_decode {name} lse")
 
@@ -91,16 +101,18 @@ def mla_case(s, target: str) -> BenchCase:
     if bs:
         dims["block"] = bs
     return BenchCase(
-        op="mla_decode", shape=name, dims=dims, dtype="fp8 KV" if fp8 else "bf16",
+        op="mla_decode", shape=name, dims=dims,
+        dtype=("fp8 KV per-token" if tok else "fp8 KV") if fp8 else "bf16",
         make_inputs=make_inputs, run=run, flops=flops_mla_decode(lens, s_q, H, rank, rope),
-        bytes=bytes_mla_decode(lens, s_q, H, isz, rank, rope), roof_kind="bf16", lnc=s.lnc,
+        bytes=bytes_mla_decode(lens, s_q, H, isz, rank, rope, 4 if tok else 0), roof_kind="bf16",
+        lnc=s.lnc,
         check=check, goal=goal)
 
 
 @register("mla_decode")
 def cases(tier: str, target: str):
     if tier == "models":
-        rows = shapes.MLA_MODELS
+        rows = shapes.MLA_MODELS + shapes.MLA_TOKEN_MODELS
     elif tier == "default":
         rows = shapes.MLA_DEFAULT
     else:

@@ -445,9 +445,9 @@ class _Run:
     def stage_kT(self, tile, n, packed=False):
         """K^T of the whole 576-wide latent tile, ``[576 (5 chunks), 128 T]``, key order restored
         on eviction (column p T + t comes from transpose t of partition p); packed tiles keep the
-        slice order (column t 128 + p: each slot's slices are one contiguous run). FP8: by matmul
-        with the identity (fp32 PSUM, bf16 on Trn3), the partial partition's tail zeroed at
-        load."""
+        slice order (column t 128 + p: each slot's slices are one contiguous run). FP8 used as
+        stored (per-tensor scale): by matmul with the identity (fp32 PSUM, bf16 on Trn3), the
+        partial partition's tail zeroed at load; per-token tiles arrive here as bf16."""
         lay = self.lay
         T = lay.T
         npp = -(-n // T)
