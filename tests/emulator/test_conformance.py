@@ -305,6 +305,28 @@ def test_plain_nkiobject_subclass_is_built_from_its_fields():
         Outs(1, 2, 3, 4)
 
 
+def test_nkiobject_field_left_unset_under_the_parser_front_end():
+    # NKI 0.3-0.6 (parser): a dataclass field the constructor is not given stays unset (NKI
+    # Library's mlp_tkg constants, measured on devices); NKI 0.7 (Python tracer) refuses the call
+    from dataclasses import dataclass
+
+    @dataclass
+    class Dims(nl.NKIObject):
+        T: int
+        unused: int
+        K: object = None
+
+    with versions.nki_version("0.3"):
+        d = Dims(T=4, K=2)
+        assert (d.T, d.K) == (4, 2)
+        with pytest.raises(AttributeError, match="unused"):
+            assert d.unused is None  # never reached
+        with pytest.raises(TypeError, match="unexpected keyword argument 'E'"):
+            Dims(T=1, E=2)
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'unused'"):
+        Dims(T=4)
+
+
 def test_memset_integral_float_on_int_tile():
     def body():
         t = nl.ndarray((4, 8), nl.uint32)

@@ -398,6 +398,7 @@ def _transpose_kernel(shape, np_dt, nl_dt, via_sbuf=False, **kw):
     ((16, 100), BF16, nl.bfloat16, False, dict(dge_mode=nisa.dge_mode.hwdge)),
     ((2, 8, 64), np.float16, nl.float16, False, dict(dge_mode=nisa.dge_mode.hwdge)),
     ((4, 2, 4, 32), BF16, nl.bfloat16, False, dict(dge_mode=nisa.dge_mode.hwdge, priority=1)),
+    ((64, 32), BF16, nl.bfloat16, False, dict(dge_mode=nisa.dge_mode.none)),   # NKI Library mlp_tkg
 ])
 def test_dma_transpose_matches_numpy(rng, tgt, shape, np_dt, nl_dt, via_sbuf, kw):
     if "priority" in kw and tgt == "trn2":

@@ -102,9 +102,16 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=DGE.unknown, oob_
     else:
         if oob is OOB.skip:
             raise fail(I, "oob_mode", "skip is only valid with an indirect (vector_offset) src")
-        if dge not in (DGE.unknown, DGE.hwdge):
-            raise fail(I, "dge_mode", f"{dge.name}: dma_transpose takes dge_mode unknown or hwdge "
-                                      f"(swdge only for the indirect gather-transpose)")
+        # none (host-precomputed descriptors) on a static transpose: nki-spec lists it for DMAs
+        # without dynamic offsets and is silent on dma_transpose; NKI Library's mlp_tkg bias load
+        # (mlp_tkg_gate_up_projection.py, static views only, dynamic ones take a dma_copy) uses it
+        # on devices (QoR baselines), so it is accepted
+        if dge not in (DGE.unknown, DGE.hwdge, DGE.none):
+            raise fail(I, "dge_mode", f"{dge.name}: dma_transpose takes dge_mode unknown, hwdge or "
+                                      f"none (swdge only for the indirect gather-transpose)")
+        if dge is DGE.none and (dst.is_indirect() or src.is_indirect()):
+            raise fail(I, "dge_mode", "none (host-precomputed descriptors) cannot use dynamic "
+                                      "offsets")
         if dge is DGE.hwdge:
             _check_hwdge(I, src)
         elif isz not in (2, 4):
