@@ -10,10 +10,10 @@ FP8 weights are dequantized exactly (``w * scale[column]``); ``act_dtype`` quant
 inputs (x and h) per token as the FP8 kernel does.
 
 MXFP8 weights (Trn3) come as ``(data, scale, fmt, k)`` tuples with a leading expert dim (what
-``quantize_expert_weights_mx`` returns). They are decoded here with the independent NumPy decoder
-of ``reference.mxfp8_matmul`` (the MX tile layout); the down weight's rows are stored
-interleaved (row ``512c + 4p + q`` holds ``w_down[128(4c + q) + p]``), so it decodes to
-``D'[512 KC, H]`` and h is put in that order (:func:`interleave_rows`) before the down product.
+``quantize_expert_weights_mx`` returns). The gate|up weight (the MX tile layout) is decoded with the
+independent NumPy decoder of ``reference.mxfp8_matmul``; the down weight is chunk-major, chunk
+c of 512 contraction rows packed on ``kp`` partitions with lane q of partition p holding row
+``r0 + kp*q + p`` (:func:`down_chunks`), decoded here (:func:`_mx_down`).
 The MX path is W8A8 as the kernel runs it, modelled step by step:
 
 * ``x`` (bf16) MX-quantized per token in blocks of 32 consecutive hidden values (the hardware
@@ -22,8 +22,8 @@ The MX path is W8A8 as the kernel runs it, modelled step by step:
 * ``g, u = xq @ deq(Wg), xq @ deq(Wu)`` in fp32; ``h = bf16(silu(g) * w * u)`` -- the routing
   weight ``w`` of the token scales h *before* it is quantized, as in the kernel (the shared
   expert: ``w = 1``), rounded to nearest even to bf16;
-* ``h`` (interleaved) MX-quantized in blocks of 32 consecutive rows of ``D'``, then
-  ``y += hq @ deq(D')`` in fp32.
+* ``h`` MX-quantized in the kernel's blocks (per down chunk: 8 partitions x 4 lanes, i.e. rows
+  ``r0 + kp*q + p`` for 8 consecutive p), then ``y += hq @ deq(W_d)`` in fp32.
 """
 from __future__ import annotations
 
@@ -61,15 +61,23 @@ def _mlp(a, wgu, wd, sgu, sd, act_dtype):
     return h @ wd
 
 
-def interleave_rows(h, KC):
-    """``h[..., I]`` (I = 128 KI) -> ``[..., 512 KC]`` with entry ``512c + 4p + q`` =
-    ``h[..., 128(4c + q) + p]`` (0 where that tile does not exist)."""
-    h = np.asarray(h, np.float32)
-    KI = h.shape[-1] // 128
-    out = np.zeros(h.shape[:-1] + (KC, 128, 4), np.float32)
-    for j in range(KI):
-        out[..., j // 4, :, j % 4] = h[..., 128 * j:128 * (j + 1)]
-    return out.reshape(h.shape[:-1] + (512 * KC,))
+def down_chunks(I):
+    """``[(r0, n, kp)]`` per 512-row chunk of the down contraction: ``n`` rows from ``r0`` on
+    ``kp`` partitions, lane q holding rows ``r0 + kp*q + p`` (kp = n/4; a 384-row chunk uses
+    kp = 128 with lane 3 empty)."""
+    return [(r0, min(512, I - r0), 128 if min(512, I - r0) == 384 else min(512, I - r0) // 4)
+            for r0 in range(0, I, 512)]
+
+
+def _row_map(I):
+    """For each down chunk: (rows [kp, 4] int, valid [kp, 4] bool): the contraction row held by
+    partition p, lane q."""
+    out = []
+    for r0, n, kp in down_chunks(I):
+        p, q = np.meshgrid(np.arange(kp), np.arange(4), indexing="ij")
+        off = kp * q + p
+        out.append((r0 + np.minimum(off, n - 1), off < n))
+    return out
 
 
 def _mx_act(a, fmt):
@@ -81,9 +89,46 @@ def _mx_act(a, fmt):
     return (vals * f[..., None]).reshape(n, K).astype(np.float32)
 
 
+def _mx_h(h, fmt):
+    """MX quantize-dequantize of h ``[n, I]`` in the kernel's blocks: per down chunk, 8
+    partitions x 4 lanes (rows ``r0 + kp*q + p``)."""
+    from .mxfp8_matmul import mx_quantize_blocks
+    out = np.zeros_like(h)
+    for rows, valid in _row_map(h.shape[1]):
+        kp = rows.shape[0]
+        v = np.where(valid, h[:, rows], 0).reshape(h.shape[0], kp // 8, 32)   # [n, kp/8, 32]
+        vals, sc = mx_quantize_blocks(v, fmt)
+        f = np.where(sc == 255, np.nan, np.exp2(sc.astype(np.float64) - 127))
+        dq = (vals * f[..., None]).reshape(h.shape[0], kp, 4).astype(np.float32)
+        out[:, rows[valid]] = dq[:, valid]
+    return out
+
+
 def _mx_weight(data, scale, fmt, k):
     from .mxfp8_matmul import dequantize_mx_kmajor
     return dequantize_mx_kmajor(np.asarray(data), np.asarray(scale), fmt, KT=-(-int(k) // 512))
+
+
+def _mx_down(data, scale, fmt, I):
+    """Decode the chunk-major down data ``[128, KC*H]`` / scale image ``[64, SL*H]`` to
+    ``W_d [I, H]`` fp32: chunk c is words ``[128, H]`` (byte q = lane q), the scale of
+    partitions ``8b..8b+7`` at image row ``16(b//4) + 4(c%4) + b%4``, slot ``c//4``."""
+    from .mxfp8_matmul import unpack_words
+    data, scale = np.asarray(data), np.asarray(scale)
+    KC = -(-I // 512)
+    H = data.shape[1] // KC
+    img = scale.reshape(64, -1, H)
+    W = np.zeros((I, H), np.float32)
+    for c, (rows, valid) in enumerate(_row_map(I)):
+        kp = rows.shape[0]
+        vals = unpack_words(data[0:kp, c * H:(c + 1) * H], fmt)                 # [kp, H, 4]
+        b = np.arange(kp) // 8
+        sc = img[16 * (b // 4) + 4 * (c % 4) + b % 4, c // 4, :].astype(np.int64)   # [kp, H]
+        f = np.where(sc == 255, np.nan, np.exp2((sc - 127).astype(np.float64)))
+        v = (vals.astype(np.float64) * f[:, :, None]).astype(np.float32)        # [kp, H, 4]
+        for q in range(4):
+            W[rows[valid[:, q], q]] = v[valid[:, q], :, q]
+    return W
 
 
 def _mlp_mx(a, w, gu, dn):
@@ -92,14 +137,13 @@ def _mlp_mx(a, w, gu, dn):
     fmt = fmt[len("float8_"):] if str(fmt).startswith("float8_") else fmt
     H = a.shape[1]
     wgu = _mx_weight(gu[0], gu[1], fmt, gu[3])[:H]                 # [H, 2I]
-    wd = _mx_weight(dn[0], dn[1], fmt, dn[3])                      # [512 KC, H] interleaved
     I = wgu.shape[1] // 2
+    wd = _mx_down(dn[0], dn[1], fmt, I)                            # [I, H]
     xq = _mx_act(a, fmt)
     with np.errstate(over="ignore"):
         gu_ = xq @ wgu
         h = (_silu(gu_[:, :I]) * w[:, None] * gu_[:, I:]).astype(BF16).astype(np.float32)
-    hq = _mx_act(interleave_rows(h, wd.shape[0] // 512), fmt)
-    return hq @ wd
+    return _mx_h(h, fmt) @ wd
 
 
 def _fused_moe_mx_ref(a, w_gate_up, w_down, w, ids, shared, out_dtype):

@@ -11,7 +11,8 @@ from nki_kernels import fused_moe, tile_expert_weights, tile_weight
 from nki_kernels.emulator import target, trace
 from nki_kernels.moe.fused_moe import (
     choose_blocks,
-    interleave_down_rows,
+    down_chunks,
+    pack_down_chunks,
     plan_prefill_routing,
     quantize_expert_weights_mx,
 )
@@ -334,25 +335,37 @@ def _run_mx(x, g, d, w, ids, regime, **kw):
 
 
 def test_mx_host_layout(rng):
-    """gate|up: quantize_weights_mx of each expert, stacked; down: of its interleaved rows."""
-    wgu, wd = _weights(rng, 2, 256, 384)
+    """gate|up: quantize_weights_mx of each expert, stacked; down: chunk-major, chunk c the
+    KT = 1 MX tile layout of its rows in x4 order (lane q of partition p = row r0 + kp*q + p)."""
+    assert down_chunks(768) == [(0, 512, 128), (512, 256, 64)]
+    assert down_chunks(640)[-1] == (512, 128, 32) and down_chunks(384) == [(0, 384, 128)]
+    wgu, wd = _weights(rng, 2, 256, 768)
     g, d = quantize_expert_weights_mx(wgu, wd)
-    assert g.data.shape == (2, 128, 768) and g.scale.shape == (2, 64, 768) and g.k == 256
-    assert d.data.shape == (2, 128, 256) and d.scale.shape == (2, 64, 256) and d.k == 384
+    assert g.data.shape == (2, 128, 1536) and g.scale.shape == (2, 64, 1536) and g.k == 256
+    assert d.data.shape == (2, 128, 512) and d.scale.shape == (2, 64, 256) and d.k == 768
     ref = quantize_weights_mx(wgu[1], "e4m3fn")
     np.testing.assert_array_equal(g.data[1], ref.data)
     np.testing.assert_array_equal(g.scale[1], ref.scale)
-    inter = interleave_down_rows(wd[1])             # row 512c + 4p + q = w[128(4c+q) + p]
-    assert inter.shape == (512, 256)
-    np.testing.assert_array_equal(inter[4 * 5 + 2], wd[1][128 * 2 + 5].astype(np.float32))
-    assert not inter[4 * 7 + 3].any()               # tile 3 does not exist (I = 384)
-    np.testing.assert_array_equal(d.data[1], quantize_weights_mx(inter).data)
+    ch = pack_down_chunks(wd[1])                     # [KC, 512, H]: row 4p + q of chunk c
+    assert ch.shape == (2, 512, 256)
+    np.testing.assert_array_equal(ch[0][4 * 5 + 2], wd[1][128 * 2 + 5].astype(np.float32))
+    np.testing.assert_array_equal(ch[1][4 * 7 + 3], wd[1][512 + 64 * 3 + 7].astype(np.float32))
+    assert not ch[1][4 * 64:].any()                  # partitions 64.. of the tail chunk: empty
+    for c in range(2):
+        q = quantize_weights_mx(ch[c])
+        np.testing.assert_array_equal(d.data[1][:, 256 * c:256 * (c + 1)], q.data)
+        np.testing.assert_array_equal(d.scale[1][[16 * Q + 4 * c + i for Q in range(4)
+                                                  for i in range(4)]],
+                                      q.scale[[16 * Q + i for Q in range(4) for i in range(4)]])
+    _, d3 = quantize_expert_weights_mx(wgu[:, :, :768], wd[:, :384])   # a 384-row tail
+    ch3 = pack_down_chunks(wd[0, :384])
+    assert not ch3[0].reshape(128, 4, 256)[:, 3].any()                  # lane 3 empty
 
 
 @pytest.mark.parametrize("regime,T,H,I,E,k,sh", [
-    ("decode", 5, 384, 384, 8, 2, 0),       # H % 512 != 0 (a 96-partition chunk), I/128 = 3
-    ("decode", 33, 256, 640, 4, 2, 128),    # two down chunks (the second with one tile), shared
-    ("prefill", 150, 256, 256, 4, 2, 0),    # uneven expert loads, blocks padded
+    ("decode", 5, 384, 384, 8, 2, 0),       # H % 512 != 0 (a 96-partition x chunk); 384-row tail
+    ("decode", 33, 256, 640, 4, 2, 128),    # a 128-row tail (32 partitions); a shared expert
+    ("prefill", 150, 256, 768, 4, 2, 0),    # uneven loads, blocks padded; a 64-partition tail
     ("prefill", 40, 512, 128, 4, 1, 128),   # a shared expert in prefill
 ])
 def test_mx(rng, regime, T, H, I, E, k, sh):

@@ -255,23 +255,39 @@ def tile_expert_weights(w):
 
 
 # ---------------------------------------------------------------------------- MXFP8 (Trn3)
-def interleave_down_rows(w):
-    """``w_down [I, H]`` (I a multiple of 128) -> ``[512 * KC, H]``, KC = ceil(I / 512): row
-    ``512c + 4p + q`` = ``w[128(4c + q) + p]`` (zero where tile ``4c + q`` does not exist).
+def down_chunks(I):
+    """The chunks of the down projection's contraction (I a multiple of 128): ``[(r0, n, kp)]``
+    per 512 rows, ``n`` rows from ``r0``, packed on ``kp = n / 4`` partitions (128, 64 or 32)
+    with lane q holding rows ``r0 + kp*q ..`` -- NKI's own x4 convention (four contraction
+    rows ``kp`` apart per word). A 384-row tail has no such split (``kp`` = 96 would cut the
+    gate/up tiles that produce it), so it takes ``kp`` = 128 with lane 3 empty."""
+    out = []
+    for r0 in range(0, I, CHUNK):
+        n = min(CHUNK, I - r0)
+        out.append((r0, n, P if n == 3 * P else n // 4))
+    return out
 
-    The MX tile layout packs rows ``512c + 4p + q`` (q = 0..3) into one x4 word on partition p.
-    The gate/up GEMMs leave h with row ``128j + p`` on partition p of tile j, so the down weight
-    is stored with its rows in this order: word (p, q) of chunk c then meets h tile ``4c + q``,
-    partition p, and h is quantized with no data movement across partitions. This is the x4
-    convention of ``nc_matmul_mx`` itself (four contraction rows 128 apart per word)."""
+
+def pack_down_chunks(w):
+    """``w_down [I, H]`` -> ``[KC, 512, H]``: chunk c's rows in the packing order of the MX
+    tile layout (row ``4p + q`` on partition p, lane q) = ``w[r0 + kp*q + p]`` for the
+    chunk's ``(r0, n, kp)`` of :func:`down_chunks`; zero where no row maps (partitions past
+    ``kp``, an empty lane).
+
+    Why: the gate/up GEMMs leave h with feature ``128j + p`` on partition p of tile j (or, for
+    a narrow tail chunk, sub-tiles of ``kp`` features on partitions 0..kp-1), so lane q of
+    chunk c is one whole output tile of the gate/up pass and h is quantized with no data
+    movement across partitions; and a tail chunk occupies only ``kp`` partitions, so no zero
+    padding is ever streamed from HBM."""
+    w = np.asarray(w, np.float32)
     I, H = w.shape
-    KI = I // P
-    KC = cdiv(KI, 4)
-    out = np.zeros((KC, P, 4, H), np.float32)
-    t = np.asarray(w, np.float32).reshape(KI, P, H)
-    for j in range(KI):
-        out[j // 4, :, j % 4, :] = t[j]
-    return out.reshape(KC * CHUNK, H)
+    ch = down_chunks(I)
+    out = np.zeros((len(ch), P, 4, H), np.float32)
+    for c, (r0, n, kp) in enumerate(ch):
+        for q in range(4):
+            k = min(kp, max(0, n - kp * q))
+            out[c, 0:k, q, :] = w[r0 + kp * q:r0 + kp * q + k]
+    return out.reshape(len(ch), CHUNK, H)
 
 
 def quantize_expert_weights_mx(w_gate_up, w_down, fmt="e4m3fn"):
@@ -285,9 +301,10 @@ def quantize_expert_weights_mx(w_gate_up, w_down, fmt="e4m3fn"):
       ``(gate_up, down)``, two :class:`MXTensor` whose ``data`` / ``scale`` carry a leading
       expert dim (none for 2-D inputs): gate_up = ``quantize_weights_mx(w_gate_up[e])`` stacked
       (data uint32 ``[E, 128, KT(H) * 2I]``, scale uint8 ``[E, 64, SL(H) * 2I]``, k = H); down =
-      ``quantize_weights_mx(interleave_down_rows(w_down[e]))`` stacked (data ``[E, 128, KC * H]``,
-      scale ``[E, 64, SL(I) * H]``, k = I): the MX tile layout of ``mxfp8_matmul``
-      (docs/low-precision.md) with the down rows in the order of :func:`interleave_down_rows`.
+      chunk-major (data ``[E, 128, KC * H]``: chunk c at columns ``[cH, (c+1)H)``, each the MX
+      tile layout with KT = 1 of ``pack_down_chunks(w_down[e])[c]``; scale ``[E, 64,
+      SL(I) * H]``: the image rows of chunk c at row offset ``4(c % 4)``, slot ``c // 4``;
+      k = I). So a chunk streams in long runs and only its ``kp`` partitions are read.
       Every MX block (32 values, one E8M0 scale) holds weights of one output column.
     """
     name = "quantize_expert_weights_mx"
@@ -310,13 +327,29 @@ def quantize_expert_weights_mx(w_gate_up, w_down, fmt="e4m3fn"):
     if H % P or I % P or min(E, H, I) < 1:
         raise ValueError(f"{name}: H and I must be positive multiples of 128; got H={H}, I={I}")
     gus = [quantize_weights_mx(g[e], f) for e in range(E)]
-    dns = [quantize_weights_mx(interleave_down_rows(d[e]), f) for e in range(E)]
+    dns = [_quantize_down_mx(d[e], f) for e in range(E)]
     out = []
     for qs, k in ((gus, H), (dns, I)):
         data = np.stack([q.data for q in qs])
         scale = np.stack([q.scale for q in qs])
         out.append(MXTensor(data[0] if one else data, scale[0] if one else scale, f, k))
     return tuple(out)
+
+
+def _quantize_down_mx(w, fmt):
+    """One expert's down weight -> MXTensor (chunk-major; see quantize_expert_weights_mx)."""
+    I, H = w.shape
+    chunks = pack_down_chunks(w)
+    KC = chunks.shape[0]
+    data = np.empty((P, KC * H), np.uint32)
+    img = np.zeros((64, cdiv(KC, 4) * H), np.uint8)
+    for c in range(KC):
+        q = quantize_weights_mx(chunks[c], fmt)          # KT = 1: data [128, H], image [64, H]
+        data[:, c * H:(c + 1) * H] = q.data
+        for Q in range(4):                               # rows 16Q + i (o = 0) -> o = c % 4
+            img[16 * Q + 4 * (c % 4):16 * Q + 4 * (c % 4) + 4, (c // 4) * H:(c // 4 + 1) * H] = \
+                q.scale[16 * Q:16 * Q + 4]
+    return MXTensor(data, img, fmt, I)
 
 
 def _as_numpy_f(a):
@@ -328,11 +361,11 @@ def _as_numpy_f(a):
 def plan_tiles_mx(regime, tb, H, I) -> MoEPlan:
     """MX pass widths: gate and up accumulate together, one PSUM bank kept free (the x / output
     transposes); kb_* = 128-column weight tiles per DMA (~``MX_DMA_BYTES`` per partition)."""
-    KT, KI = cdiv(H, P), I // P
+    KT, KI = cdiv(H, P), len(_gu_units(I))
     nf_gu = min(D.max_tiles_per_pass(tb, 2, D.PSUM_BYTES - 2048), KI)
     nf_d = min(D.max_tiles_per_pass(tb, 1, D.PSUM_BYTES - 2048), KT)
     kb_gu = max(1, MX_DMA_BYTES // (cdiv(H, CHUNK) * CHUNK))
-    kb_d = max(1, MX_DMA_BYTES // (cdiv(KI, 4) * CHUNK))
+    kb_d = max(1, MX_DMA_BYTES // (cdiv(I // P, 4) * CHUNK))
     return MoEPlan(regime, tb, True, nf_gu, nf_d, kb_gu, kb_d, False)
 
 
@@ -510,10 +543,10 @@ def _mx_views(w_gu, s_gu, w_d, s_d, e):
 _SHUFFLE_SCALES = [16 + i if (i // 4) % 2 else 255 for i in range(16)] + [255] * 16
 
 
-def _mx_scales(s, KT, F):
-    """All the E8M0 scales of one MX weight (image ``s [64, SL*F]`` in HBM) -> SBUF
-    ``[128, F/128, SL, 128]`` (image row 16Q + r at partition 32Q + r), ahead of the data, one
-    run of ``SL*F`` bytes per image row (a run per weight group would be shorter than a DMA
+def _mx_scales(s, shape):
+    """All the E8M0 scales of one MX weight (image ``s [64, n]`` in HBM) -> SBUF
+    ``[128, *shape]`` (image row 16Q + r at partition 32Q + r; ``shape`` covers n bytes), ahead
+    of the data, one run per image row (a run per weight group would be shorter than a DMA
     descriptor's fixed cost: ~30% efficiency).
 
     Scales sit at partitions 0..15 of each quadrant, which only DMA queues 4Q and 4Q+1 serve
@@ -522,63 +555,109 @@ def _mx_scales(s, KT, F):
     lower (partitions 20..23, 28..31: queues 4Q+2, 4Q+3) in a staging tile, and one
     ``nc_stream_shuffle`` (VectorE, within each quadrant) moves them up: every queue carries a
     quarter of the quadrant's scale rows."""
-    SL = cdiv(KT, 4)
-    nt = F // P
-    ws = nl.ndarray((P, nt, SL, P), dtype=nl.uint8, buffer=nl.sbuf)           # [128, nt, SL, 128]
-    st = nl.ndarray((P, nt, SL, P), dtype=nl.uint8, buffer=nl.sbuf)           # [128, nt, SL, 128]
+    ws = nl.ndarray((P, *shape), dtype=nl.uint8, buffer=nl.sbuf)               # [128, *shape]
+    st = nl.ndarray((P, *shape), dtype=nl.uint8, buffer=nl.sbuf)               # [128, *shape]
     for Q in range(4):
         for r in range(0, 16, 4):
             p = 32 * Q + r + (16 if (r // 4) % 2 else 0)
-            nisa.dma_copy(dst=(st if (r // 4) % 2 else ws)[p:p + 4, :, :, :],
-                          src=s[16 * Q + r:16 * Q + r + 4, 0:SL * F])
+            nisa.dma_copy(dst=(st if (r // 4) % 2 else ws)[p:p + 4],
+                          src=s[16 * Q + r:16 * Q + r + 4, :])
     nisa.nc_stream_shuffle(dst=ws, src=st, shuffle_mask=_SHUFFLE_SCALES)
     return ws
 
 
-def _mx_pass(w, ws, t0, K, KT, fw, kb, mov, mov_s, acc, x4):
-    """``acc[0:128, f, 0:N] = W[:, 128(t0 + f) ..].T @ mov`` over the KT chunks (MX data ``w``
-    ``[128, KT*F]`` x4 in HBM, its scales ``ws`` in SBUF (:func:`_mx_scales`); ``mov
-    [128, KT, N]`` x4, ``mov_s`` its scales): weight tiles loaded ``kb`` at a time (one
-    contiguous run per partition)."""
-    N = mov.shape[2]
-    nf = fw // P
-    for g0 in range(0, nf, kb):
-        g1 = min(nf, g0 + kb)
+def _gu_units(I):
+    """The gate (or up) output units ``[(col0, width)]``: unit ``4c + q`` is lane q of down
+    chunk c (:func:`down_chunks`): a whole 128-column tile, or for a narrow tail chunk a
+    ``kp``-column slice of one (its outputs then land on partitions 0..kp-1)."""
+    units = []
+    for r0, n, kp in down_chunks(I):
+        for q in range(4):
+            if kp * q < n:
+                units.append((r0 + kp * q, kp))
+    return units
+
+
+def _gu_pass(w, ws, c_off, units, H, kb, xq, xs, acc, x4):
+    """``acc[0:w_u, u, 0:N] = W[:, c_off + col0_u ..].T @ x`` for the gate (c_off 0) or up
+    (c_off I) units of one pass, over the KT(H) chunks of x: MX data ``w [128, KT*2I]`` x4 in
+    HBM (the MX tile layout), scales ``ws [128, 2I/128, SL, 128]`` in SBUF; the 128-column
+    tiles covering the units load ``kb`` at a time (one contiguous run per partition)."""
+    KT = cdiv(H, CHUNK)
+    N = xq.shape[2]
+    t_lo = (c_off + units[0][0]) // P
+    t_hi = cdiv(c_off + units[-1][0] + units[-1][1], P)
+    for g0 in range(t_lo, t_hi, kb):
+        g1 = min(t_hi, g0 + kb)
         wq = nl.ndarray((P, g1 - g0, KT, P), dtype=x4, buffer=nl.sbuf)         # [128, g, KT, 128]
-        _load_data_tiles(w, wq, KT, 0, KT, (t0 + g0) * P, (g1 - g0) * P)
-        for f in range(g0, g1):
+        _load_data_tiles(w, wq, KT, 0, KT, g0 * P, (g1 - g0) * P)
+        for u, (col0, wu) in enumerate(units):
+            t, off = divmod(c_off + col0, P)
+            if not g0 <= t < g1:
+                continue
             for c in range(KT):
-                kk = min(P, (K - c * CHUNK) // 4)
+                kk = min(P, (H - c * CHUNK) // 4)
                 o = 4 * (c % 4)
-                nisa.nc_matmul_mx(dst=acc[:, f, 0:N], stationary=wq[0:kk, f - g0, c, :],
-                                  moving=mov[0:kk, c, 0:N],
-                                  stationary_scale=ws[o:P, t0 + f, c // 4, :],
-                                  moving_scale=mov_s[o:P, c // 4, 0:N], accumulate=(c > 0))
+                nisa.nc_matmul_mx(dst=acc[0:wu, u, 0:N], stationary=wq[0:kk, t - g0, c, off:off + wu],
+                                  moving=xq[0:kk, c, 0:N],
+                                  stationary_scale=ws[o:P, t, c // 4, off:off + wu],
+                                  moving_scale=xs[o:P, c // 4, 0:N], accumulate=(c > 0))
+        del wq
+
+
+def _down_pass(w, ds, chunks, j0, nf, kb, hq, hs, acc, x4):
+    """``acc[:, f, 0:N] = W_d[:, 128(j0 + f) ..].T @ h`` over the down chunks: MX data ``w
+    [128, KC*H]`` x4 chunk-major in HBM (chunk c: columns [cH, (c+1)H)), scales ``ds [128, SL,
+    H]`` in SBUF. Per group of ``kb`` tiles: the full chunks in one DMA, a tail chunk's ``kp``
+    partitions in a second (its other partitions are never read)."""
+    H = w.shape[1] // len(chunks)
+    N = hq.shape[2]
+    w3 = w.reshape_dim(1, (len(chunks), H))                                   # [128, KC, H]
+    nfull = sum(1 for _, _, kp in chunks if kp == P)
+    for g0 in range(j0, j0 + nf, kb):
+        g1 = min(j0 + nf, g0 + kb)
+        c0, gw = g0 * P, (g1 - g0) * P
+        wq = nl.ndarray((P, len(chunks), gw), dtype=x4, buffer=nl.sbuf)       # [128, KC, gw]
+        if nfull:
+            nisa.dma_copy(dst=wq[:, 0:nfull, :], src=w3[:, 0:nfull, c0:c0 + gw])
+        for c in range(nfull, len(chunks)):
+            kp = chunks[c][2]
+            nisa.dma_copy(dst=wq[0:kp, c, :], src=w3[0:kp, c, c0:c0 + gw])
+        for j in range(g0, g1):
+            for c, (_, _, kp) in enumerate(chunks):
+                o = 4 * (c % 4)
+                nisa.nc_matmul_mx(dst=acc[:, j - j0, 0:N],
+                                  stationary=wq[0:kp, c, (j - g0) * P:(j - g0 + 1) * P],
+                                  moving=hq[0:kp, c, 0:N],
+                                  stationary_scale=ds[o:P, c // 4, j * P:(j + 1) * P],
+                                  moving_scale=hs[o:P, c // 4, 0:N], accumulate=(c > 0))
         del wq
 
 
 def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink):
     """One expert in MXFP8 (Trn3) on the token columns of ``xq``/``xs`` (:func:`_x_mx`):
-    gate/up ``nc_matmul_mx`` passes (weight tiles stationary) -> ``hT = wrow * silu(g) * u``
-    bf16 ``[128, 4KC, tb]`` (tile j = rows 128j..) -> MX-quantized per chunk straight from
-    hT (lane q of chunk c = tile 4c + q: the interleaved down rows) -> down passes, each handed
-    to ``sink(acc [128, nf, Tp] PSUM, j0, widths, None)``."""
-    KTh, KI = cdiv(H, CHUNK), I // P
-    KC = cdiv(KI, 4)
+    gate/up ``nc_matmul_mx`` passes (weight tiles stationary) over the output units of
+    :func:`_gu_units` -> ``hT = wrow * silu(g) * u`` bf16 ``[128, 4KC, tb]`` (unit 4c + q = lane
+    q of down chunk c) -> MX-quantized per chunk straight from hT (``quantize_mx`` over
+    ``[kp, tb, 4]``) -> down passes, each handed to ``sink(acc [128, nf, Tp] PSUM, j0, widths,
+    None)``."""
+    KTh = cdiv(H, CHUNK)
+    chunks = down_chunks(I)
+    KC = len(chunks)
     Tp = D.acc_free(tb)
-    gs = _mx_scales(s_gu, KTh, 2 * I)                                          # [128, 2KI, SL, 128]
-    ds = _mx_scales(s_d, KC, H)                                                # [128, H/128, SL, 128]
+    gs = _mx_scales(s_gu, (2 * I // P, cdiv(KTh, 4), P))                        # [128, 2I/128, SL, 128]
+    ds = _mx_scales(s_d, (cdiv(KC, 4), H))                                      # [128, SL, H]
     hT = nl.ndarray((P, 4 * KC, tb), dtype=nl.bfloat16, buffer=nl.sbuf)        # [128, 4KC, tb]
-    if KI % 4:      # lanes of the missing tiles (their weight rows are zero; keep them finite)
-        nisa.memset(dst=hT[:, KI:4 * KC, :], value=0.0)
-    gu_tiles = D.feature_tiles([(0, I, 0)])
-    for i0, i1 in D.group_passes(gu_tiles, plan.nf_gu):
+    units = _gu_units(I)
+    if len(units) < 4 * KC:     # the empty lane of a 384-row tail (zero weight rows)
+        nisa.memset(dst=hT[:, len(units):4 * KC, :], value=0.0)
+    for i0, i1 in D.group_passes(units, plan.nf_gu):
         nf = i1 - i0
-        widths = [P] * nf
+        widths = [wu for _, wu in units[i0:i1]]
         acc_g = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)        # [128, nf, Tp]
         acc_u = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)        # [128, nf, Tp]
-        _mx_pass(w_gu, gs, i0, H, KTh, nf * P, plan.kb_gu, xq, xs, acc_g, x4)
-        _mx_pass(w_gu, gs, KI + i0, H, KTh, nf * P, plan.kb_gu, xq, xs, acc_u, x4)
+        _gu_pass(w_gu, gs, 0, units[i0:i1], H, plan.kb_gu, xq, xs, acc_g, x4)
+        _gu_pass(w_gu, gs, I, units[i0:i1], H, plan.kb_gu, xq, xs, acc_u, x4)
         sg = _silu_evict(acc_g, widths, tb, None, None, i0)                     # [128, nf, tb]
         del acc_g
         if wrow is not None:   # the routing weight of each token (0: it did not choose it)
@@ -588,15 +667,15 @@ def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink
         del acc_u, sg
     hq = nl.ndarray((P, KC, tb), dtype=x4, buffer=nl.sbuf)                      # [128, KC, tb]
     hs = nl.ndarray((P, cdiv(KC, 4), tb), dtype=nl.uint8, buffer=nl.sbuf)       # [128, SL, tb]
-    for c in range(KC):
-        nisa.quantize_mx(dst=hq[:, c, :], src=hT[:, 4 * c:4 * c + 4, :].permute((0, 2, 1)),
+    for c, (_, _, kp) in enumerate(chunks):
+        nisa.quantize_mx(dst=hq[0:kp, c, :], src=hT[0:kp, 4 * c:4 * c + 4, :].permute((0, 2, 1)),
                          dst_scale=hs[4 * (c % 4):P, c // 4, :])
     del hT
     d_tiles = D.feature_tiles([(0, H, 0)])
     for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
         widths = [d_tiles[j][1] for j in range(j0, j1)]
         acc = nl.ndarray((P, j1 - j0, Tp), dtype=nl.float32, buffer=nl.psum)     # [128, nf, Tp]
-        _mx_pass(w_d, ds, j0, 4 * P * KC, KC, (j1 - j0) * P, plan.kb_d, hq, hs, acc, x4)
+        _down_pass(w_d, ds, chunks, j0, j1 - j0, plan.kb_d, hq, hs, acc, x4)
         sink(acc, j0, widths, None)
         del acc
 
@@ -619,9 +698,10 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
       sh_gu: [H, 2Is], sh_d: [Is, H] shared expert (ss_gu [2Is], ss_d [H] FP8 scales) or None.
       combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused: from MoEPlan.
       mx: None, or the x4 dtype of MXFP8 weights (Trn3): w_gu uint32 [E, 128, KT(H)*2I] and
-        w_d uint32 [E, 128, KC*H] in the MX tile layout (``quantize_expert_weights_mx``; down
-        rows interleaved), s_gu uint8 [E, 64, SL(H)*2I] / s_d [E, 64, SL(I)*H] their scale
-        images; the shared expert likewise without the expert dim.
+        w_d uint32 [E, 128, KC*H] (``quantize_expert_weights_mx``: gate|up in the MX tile
+        layout, down chunk-major in the x4 order of ``pack_down_chunks``), s_gu uint8
+        [E, 64, SL(H)*2I] / s_d [E, 64, SL(I)*H] their scale images; the shared expert
+        likewise without the expert dim.
     Returns:
       y: [T, H] bf16, shared HBM.
     Notes:
@@ -1230,7 +1310,7 @@ def _check_shared(name, shared, scales, H, wdt, tiled, fp8):
 
 
 __all__ = ["fused_moe", "fused_moe_decode_kernel", "fused_moe_prefill_kernel", "MoEPlan",
-           "quantize_expert_weights_mx", "interleave_down_rows", "plan_tiles_mx",
+           "quantize_expert_weights_mx", "down_chunks", "pack_down_chunks", "plan_tiles_mx",
            "plan_tiles", "plan_decode_routing", "plan_prefill_routing", "choose_blocks",
            "split_expert",
            "tile_expert_weights", "local_ids"]
