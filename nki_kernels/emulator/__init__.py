@@ -20,6 +20,7 @@ import types
 
 from . import collectives, isa, language, versions  # noqa: F401
 from . import dtypes as _dt
+from . import runtime as _runtime
 from .errors import NkiRuntimeError, NkiValidationError  # noqa: F401
 from .jit import Kernel, jit, simulate  # noqa: F401
 from .runtime import current_target_name, target  # noqa: F401
@@ -47,6 +48,45 @@ class _Config:
 
 compiler.CompileConfig = type("CompileConfig", (_Config,), {})
 compiler.SpecializationConfig = type("SpecializationConfig", (_Config,), {})
+compiler.__path__ = []           # a package: nki.compiler.frontend below
+
+# nki.compiler.frontend: the Python -> compiler-IR front ends (NKI Library's test harness traces
+# kernels with ``ParserFrontend().compile(kernel, inputs=..., target=..., lnc=...)`` in its
+# ``trace_only`` tests). Here "compiling" runs the kernel once on the emulator for that target and
+# LNC, which traces it: whatever the kernel's own asserts or the emulator's rules refuse is raised,
+# and nothing else is produced (no MLIR module: ``module`` is None; no NEFF).
+frontend = types.ModuleType("nki.compiler.frontend")
+
+
+class NKIFrontend:
+    """Base of the emulator's front ends; :meth:`compile` traces by running on the emulator."""
+
+    def compile(self, kernel, *, inputs=None, target=None, lnc=1, artifacts_dir=None,
+                dump_python_ast=False, output_names=None, **_options):
+        run = cpu_simulate(kernel)[int(lnc or 1)]
+        gen = str(target) if target else None
+        if gen is not None and gen not in ("trn1", "trn2", "trn3", "inf2"):
+            gen = None
+        if gen:
+            with _runtime.target(gen):
+                outputs = run(**dict(inputs or {}))
+        else:
+            outputs = run(**dict(inputs or {}))
+        return types.SimpleNamespace(module=None, kernel=kernel, outputs=outputs, target=gen,
+                                     lnc=int(lnc or 1), output_names=output_names)
+
+
+class ParserFrontend(NKIFrontend):
+    """NKI 0.3-0.6's AST front end (on the emulator: a run, see :class:`NKIFrontend`)."""
+
+
+class TracerFrontend(NKIFrontend):
+    """NKI 0.7's Python tracer front end (on the emulator: a run, see :class:`NKIFrontend`)."""
+
+
+frontend.NKIFrontend, frontend.ParserFrontend, frontend.TracerFrontend = (
+    NKIFrontend, ParserFrontend, TracerFrontend)
+compiler.frontend = frontend
 
 typing = types.ModuleType("nki.typing")
 
@@ -190,6 +230,7 @@ def _module_table():
         "nki.isa": isa,
         "nki.isa.constants": isa.constants,
         "nki.compiler": compiler,
+        "nki.compiler.frontend": frontend,
         "nki.typing": typing,
         "nki.tensor": tensor,
         "nki.builtin": builtin,

@@ -327,6 +327,29 @@ def test_nkiobject_field_left_unset_under_the_parser_front_end():
         Dims(T=4)
 
 
+def test_compiler_frontend_traces_by_running_on_the_emulator():
+    # NKI Library's trace_only tests: ParserFrontend().compile(kernel, inputs=, target=, lnc=)
+    import importlib
+
+    emu.install(force=True)
+    fe = importlib.import_module("nki.compiler.frontend")
+
+    @jit
+    def copy(a):
+        o = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        nisa.dma_copy(dst=o, src=t)
+        return o
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    r = fe.ParserFrontend().compile(copy, inputs={"a": x}, target="trn2", lnc=1)
+    assert r.module is None and np.array_equal(r.outputs, x)
+    with pytest.raises(NkiValidationError, match="partition"):
+        fe.TracerFrontend().compile(copy, inputs={"a": np.zeros((200, 4), np.float32)},
+                                    target="trn3")
+
+
 def test_memset_integral_float_on_int_tile():
     def body():
         t = nl.ndarray((4, 8), nl.uint32)
