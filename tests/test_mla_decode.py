@@ -327,6 +327,15 @@ def test_mla_decode_long(tgt, L, H, s_q, bs):
     _check(qn, qr, kv, [L], table, what=f"mla_decode L={L}")
 
 
+@pytest.mark.slow
+def test_mla_decode_long_fp8_per_token(tgt):
+    rng = np.random.default_rng(16)
+    L = 65536
+    qn, qr, kv, table = _inputs(rng, 1, 1, 16, [L], 64, dtype=FP8[tgt])
+    ks = _token_scales(rng, kv, [L], table)
+    _check(qn, qr, kv, [L], table, kv_scale=ks, what=f"mla_decode fp8/token L={L}")
+
+
 # ------------------------------------------------------------------------------- bench, shapes
 
 
