@@ -21,7 +21,10 @@ which experts were chosen.
 Weights ``w_gate_up [E, H, 2I]`` (gate = columns ``[0, I)``, up = ``[I, 2I)``), ``w_down [E, I, H]``:
 bf16, or FP8 (``float8_e4m3``; ``float8_e4m3fn`` on Trn3) with per-output-channel scales
 ``[E, 2I]`` / ``[E, H]`` (activations quantized per token inside the kernel, ``double_row``
-GEMMs), row-major or tile-major (``tile_expert_weights``: ``tile_weight`` per expert).
+GEMMs), row-major or tile-major (``tile_expert_weights``: ``tile_weight`` per expert); or, on
+Trn3, MXFP8 (``quantize_expert_weights_mx``: gate|up in the MX tile layout of
+``mxfp8_matmul``, down chunk-major in NKI's x4 order; x and h MX-quantized with
+``quantize_mx``, GEMMs on ``nc_matmul_mx``; docs/moe.md).
 """
 from __future__ import annotations
 
@@ -374,7 +377,7 @@ def _sbuf_need_mx(tb, H, I, plan):
     quantization stage, xq, hT, hq, the weight tiles in flight (3 transfers), silu tiles,
     two yT buffers, fixed tiles."""
     KTh, KC = cdiv(H, CHUNK), cdiv(I // P, 4)
-    rows = cdiv(tb, P) * H * 2 + 2 * tb * 4 * 2
+    rows = cdiv(tb, P) * H * (2 + 4) + 2 * tb * 4 * 2
     xq = KTh * tb * 4 + cdiv(KTh, 4) * tb
     h = 4 * KC * tb * 2 + KC * tb * 4 + cdiv(KC, 4) * tb
     ring = 3 * plan.kb_gu * (KTh * CHUNK + cdiv(KTh, 4) * P)
@@ -578,19 +581,27 @@ def _gu_units(I):
     return units
 
 
-def _gu_pass(w, ws, c_off, units, H, kb, xq, xs, acc, x4):
+def _gu_tiles(w, g0, g1, H, x4):
+    """Gate|up weight tiles ``[g0, g1)`` (128 columns each) -> SBUF ``[128, g, KT, 128]`` x4."""
+    KT = cdiv(H, CHUNK)
+    wq = nl.ndarray((P, g1 - g0, KT, P), dtype=x4, buffer=nl.sbuf)             # [128, g, KT, 128]
+    _load_data_tiles(w, wq, KT, 0, KT, g0 * P, (g1 - g0) * P)
+    return wq
+
+
+def _gu_pass(w, ws, c_off, units, H, kb, xq, xs, acc, x4, first=None):
     """``acc[0:w_u, u, 0:N] = W[:, c_off + col0_u ..].T @ x`` for the gate (c_off 0) or up
     (c_off I) units of one pass, over the KT(H) chunks of x: MX data ``w [128, KT*2I]`` x4 in
     HBM (the MX tile layout), scales ``ws [128, 2I/128, SL, 128]`` in SBUF; the 128-column
-    tiles covering the units load ``kb`` at a time (one contiguous run per partition)."""
+    tiles covering the units load ``kb`` at a time (one contiguous run per partition).
+    ``first``: the first group's tile, loaded already (:func:`_gu_tiles`)."""
     KT = cdiv(H, CHUNK)
     N = xq.shape[2]
     t_lo = (c_off + units[0][0]) // P
     t_hi = cdiv(c_off + units[-1][0] + units[-1][1], P)
     for g0 in range(t_lo, t_hi, kb):
         g1 = min(t_hi, g0 + kb)
-        wq = nl.ndarray((P, g1 - g0, KT, P), dtype=x4, buffer=nl.sbuf)         # [128, g, KT, 128]
-        _load_data_tiles(w, wq, KT, 0, KT, g0 * P, (g1 - g0) * P)
+        wq = first if (g0 == t_lo and first is not None) else _gu_tiles(w, g0, g1, H, x4)
         for u, (col0, wu) in enumerate(units):
             t, off = divmod(c_off + col0, P)
             if not g0 <= t < g1:
@@ -645,9 +656,15 @@ def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink
     chunks = down_chunks(I)
     KC = len(chunks)
     Tp = D.acc_free(tb)
-    gs = _mx_scales(s_gu, (2 * I // P, cdiv(KTh, 4), P))                        # [128, 2I/128, SL, 128]
-    ds = _mx_scales(s_d, (cdiv(KC, 4), H))                                      # [128, SL, H]
     hT = nl.ndarray((P, 4 * KC, tb), dtype=nl.bfloat16, buffer=nl.sbuf)        # [128, 4KC, tb]
+    # DMA queues are FIFO with a few transfers in flight: the scale loads (short) go between
+    # weight transfers (long), not in a row ahead of an expert's first weight bytes, where the
+    # next transfer's setup latency would show (~0.8 us per expert, modeled)
+    gs = ds = None
+
+    def gate_up_scales():
+        return _mx_scales(s_gu, (2 * I // P, cdiv(KTh, 4), P))                  # [128, 2I/128, SL, 128]
+
     units = _gu_units(I)
     if len(units) < 4 * KC:     # the empty lane of a 384-row tail (zero weight rows)
         nisa.memset(dst=hT[:, len(units):4 * KC, :], value=0.0)
@@ -656,8 +673,17 @@ def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink
         widths = [wu for _, wu in units[i0:i1]]
         acc_g = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)        # [128, nf, Tp]
         acc_u = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)        # [128, nf, Tp]
-        _gu_pass(w_gu, gs, 0, units[i0:i1], H, plan.kb_gu, xq, xs, acc_g, x4)
+        if gs is None:
+            t0 = units[i0][0] // P
+            t1 = cdiv(units[i1 - 1][0] + units[i1 - 1][1], P)
+            first = _gu_tiles(w_gu, t0, min(t0 + plan.kb_gu, t1), H, x4)
+            gs = gate_up_scales()
+            _gu_pass(w_gu, gs, 0, units[i0:i1], H, plan.kb_gu, xq, xs, acc_g, x4, first)
+        else:
+            _gu_pass(w_gu, gs, 0, units[i0:i1], H, plan.kb_gu, xq, xs, acc_g, x4)
         _gu_pass(w_gu, gs, I, units[i0:i1], H, plan.kb_gu, xq, xs, acc_u, x4)
+        if ds is None:
+            ds = _mx_scales(s_d, (cdiv(KC, 4), H))                              # [128, SL, H]
         sg = _silu_evict(acc_g, widths, tb, None, None, i0)                     # [128, nf, tb]
         del acc_g
         if wrow is not None:   # the routing weight of each token (0: it did not choose it)
@@ -798,8 +824,40 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
         _expert_step(xT, A, T, H, I, wgu, wd, wrow, q, plan, tiled, sink)
 
     nl.fori_loop(0, n_reg, body)
-    _store_y(y, None, ident_f, yacc, 0, T, 0, [t[1] for t in D.feature_tiles([(0, H, 0)])])
+    widths = [t[1] for t in D.feature_tiles([(0, H, 0)])]
+    if mx is not None:
+        _store_y_bf16(y, ident, yacc, T, widths)
+    else:
+        _store_y(y, None, ident_f, yacc, 0, T, 0, widths)
     return y
+
+
+def _store_y_bf16(y, ident, yacc, T, widths):
+    """fp32 ``yacc [128, KT, T]`` -> ``y [T, H]`` bf16: rounded to bf16 first (VectorE), then
+    bf16 PE transposes (exact; a quarter of the fp32 transposes' TensorE time, which sits on
+    the kernel's tail after the last weight byte), 8 feature tiles per PSUM bank."""
+    KT = len(widths)
+    yb = nl.ndarray((P, KT, T), dtype=y.dtype, buffer=nl.sbuf)                   # [128, KT, T]
+    for a, b, nn in _runs(widths):
+        nisa.tensor_copy(dst=yb[0:nn, a:b, :], src=yacc[0:nn, a:b, :])
+    for s0 in range(0, T, P):
+        ts = min(P, T - s0)
+        y_sb = nl.ndarray((ts, sum(widths)), dtype=y.dtype, buffer=nl.sbuf)     # [ts, H]
+        col = 0
+        for g0 in range(0, KT, 8):
+            g1 = min(KT, g0 + 8)
+            gw = sum(widths[g0:g1])
+            tp = nl.ndarray((ts, gw), dtype=y.dtype, buffer=nl.psum)            # [ts, gw]
+            o = 0
+            for f in range(g0, g1):
+                nn = widths[f]
+                nisa.nc_matmul(dst=tp[:, o:o + nn], stationary=yb[0:nn, f, s0:s0 + ts],
+                               moving=ident[0:nn, 0:nn], is_transpose=True)
+                o += nn
+            eng = nisa.engine.scalar if (g0 // 8) % 2 else nisa.engine.vector
+            nisa.tensor_copy(dst=y_sb[:, col:col + gw], src=tp, engine=eng)
+            col += gw
+        nisa.dma_copy(dst=y[s0:s0 + ts, :], src=y_sb)
 
 
 @nki.jit
@@ -920,8 +978,16 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
 
             if mx is not None:
                 xq, xs = _x_mx(subs, tb, H, ident, mx)
+                rows = [nl.ndarray((ts, H), dtype=nl.float32, buffer=nl.sbuf)     # [ts, H]
+                        for _, ts, _ in subs]
+
+                def collect(acc, j0, widths, B):
+                    yT = _evicted(acc, j0, widths, tb, None, None)
+                    _store_rows(y32, ident_f, yT, 0, tb, d_widths[:j0], widths, None, rows)
+
                 _expert_step_mx(xq, xs, tb, H, I, *_mx_views(w_gu, s_gu, w_d, s_d, e), wrow,
-                                plan, mx, scatter)
+                                plan, mx, collect)
+                _scatter_rows(y32, rows, sis)
                 return
             _x_quantize(subs, q, all_steps=True)
             xT, A = _x_block(subs, tb, H, None, ident, ident_f, q, w_gu.dtype)
@@ -950,17 +1016,22 @@ def _evicted(acc, j0, widths, tb, q, B, ev=None):
     return yT
 
 
-def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis):
+def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, out=None):
     """``yT [features, tokens]`` -> rows of the fp32 accumulator ``y32`` at columns
     ``[sum(before), + sum(widths))``: fp32 PE transposes (4 feature tiles per PSUM bank), then a
     plain store (``sis`` None: rows t0...) or a scatter-add to the rows ``sis[sub-tile]``
-    (indirect DMA read-modify-write, padding rows out of bounds and skipped)."""
+    (indirect DMA read-modify-write, padding rows out of bounds and skipped). ``out``: a list
+    of ``[ts, H]`` fp32 SBUF row tiles (one per 128-token sub-tile) that take the columns
+    instead, for one scatter-add of whole rows later (:func:`_scatter_rows`)."""
     H = y32.shape[1]
     c0 = sum(before)
     ncols = sum(widths)
     for n, s0 in enumerate(range(0, tb, P)):
         ts = min(P, tb - s0)
-        y_sb = nl.ndarray((ts, ncols), dtype=nl.float32, buffer=nl.sbuf)          # [ts, ncols]
+        if out is not None:
+            y_sb = out[n][:, c0:c0 + ncols]                                       # [ts, ncols]
+        else:
+            y_sb = nl.ndarray((ts, ncols), dtype=nl.float32, buffer=nl.sbuf)      # [ts, ncols]
         col = 0
         for g0 in range(0, len(widths), 4):
             g1 = min(len(widths), g0 + 4)
@@ -969,12 +1040,25 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis):
             eng = nisa.engine.scalar if (g0 // 4) % 2 else nisa.engine.vector
             nisa.tensor_copy(dst=y_sb[:, col:col + gw], src=tp, engine=eng)
             col += gw
+        if out is not None:
+            continue
         if sis is None:
             nisa.dma_copy(dst=y32[t0 + s0:t0 + s0 + ts, c0:c0 + ncols], src=y_sb)
         else:
             dst = y32.ap([[H, ts], [1, ncols]], offset=c0, vector_offset=sis[n], indirect_dim=0)
             nisa.dma_compute(dst=dst, srcs=[dst, y_sb], reduce_op=nl.add,
                              oob_mode=nisa.oob_mode.skip)
+
+
+def _scatter_rows(y32, rows, sis):
+    """Scatter-add whole output rows ``rows[n] [ts, H]`` fp32 to the rows ``sis[n]`` of ``y32``
+    (one DMA read-modify-write per 128-token sub-tile: each is ordered after the previous one
+    to ``y32``, so fewer, longer ones shorten that chain)."""
+    H = y32.shape[1]
+    for n, r in enumerate(rows):
+        ts = r.shape[0]
+        dst = y32.ap([[H, ts], [1, H]], offset=0, vector_offset=sis[n], indirect_dim=0)
+        nisa.dma_compute(dst=dst, srcs=[dst, r], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
 
 # ---------------------------------------------------------------------------------------- op
@@ -989,9 +1073,14 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
         bfloat16, or FP8 (float8_e4m3; on Trn3 also float8_e4m3fn) with per-output-channel
         scales gate_up_scale [E, 2I] and down_scale [E, H]. Or tile-major
         (``tile_expert_weights``: [E, 2I/128, 128, KTe, 128], [E, H/128, 128, KTe, 128]).
+        Or, on Trn3 only, MXFP8: the pair of :class:`MXTensor` that
+        ``quantize_expert_weights_mx(w_gate_up, w_down, fmt)`` returns (E8M0 block scales of 32
+        weights inside; H, I multiples of 128); x and the intermediate h are then MX-quantized
+        in the kernel (``quantize_mx``) and the GEMMs run on ``nc_matmul_mx``.
       topk_weights: [T, k] float; topk_ids: [T, k] integer global expert ids.
       shared: optional (w_gate_up [H, 2Is], w_down [Is, H]) shared expert, same dtype and layout
-        as the experts (FP8: shared_scales = ([2Is], [H])), added with weight 1.
+        as the experts (FP8: shared_scales = ([2Is], [H]); MXFP8: the MXTensor pair of
+        ``quantize_expert_weights_mx(ws_gate_up, ws_down)``), added with weight 1.
       expert_offset: global id of local expert 0 (expert parallelism: this call holds experts
         [expert_offset, expert_offset + E)); ids outside that range contribute nothing.
       num_global_experts: when given, every id must lie in [0, num_global_experts).
