@@ -833,31 +833,25 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
 
 
 def _store_y_bf16(y, ident, yacc, T, widths):
-    """fp32 ``yacc [128, KT, T]`` -> ``y [T, H]`` bf16: rounded to bf16 first (VectorE), then
-    bf16 PE transposes (exact; a quarter of the fp32 transposes' TensorE time, which sits on
-    the kernel's tail after the last weight byte), 8 feature tiles per PSUM bank."""
+    """fp32 ``yacc [128, KT, T]`` -> ``y [T, H]`` bf16 (H a multiple of 128): rounded to bf16
+    first (VectorE), then bf16 PE transposes of ``g = 128 // T`` feature tiles at once (the
+    stationary ``[128, g*T]`` view: out row ``f*T + t`` = ``y[t, 128f ..]``), stored with one
+    DMA per group. This epilogue sits on the kernel's tail after the last weight byte, so it
+    is kept short: at T = 1 one transpose instead of 16 fp32 ones."""
     KT = len(widths)
     yb = nl.ndarray((P, KT, T), dtype=y.dtype, buffer=nl.sbuf)                   # [128, KT, T]
-    for a, b, nn in _runs(widths):
-        nisa.tensor_copy(dst=yb[0:nn, a:b, :], src=yacc[0:nn, a:b, :])
-    for s0 in range(0, T, P):
-        ts = min(P, T - s0)
-        y_sb = nl.ndarray((ts, sum(widths)), dtype=y.dtype, buffer=nl.sbuf)     # [ts, H]
-        col = 0
-        for g0 in range(0, KT, 8):
-            g1 = min(KT, g0 + 8)
-            gw = sum(widths[g0:g1])
-            tp = nl.ndarray((ts, gw), dtype=y.dtype, buffer=nl.psum)            # [ts, gw]
-            o = 0
-            for f in range(g0, g1):
-                nn = widths[f]
-                nisa.nc_matmul(dst=tp[:, o:o + nn], stationary=yb[0:nn, f, s0:s0 + ts],
-                               moving=ident[0:nn, 0:nn], is_transpose=True)
-                o += nn
-            eng = nisa.engine.scalar if (g0 // 8) % 2 else nisa.engine.vector
-            nisa.tensor_copy(dst=y_sb[:, col:col + gw], src=tp, engine=eng)
-            col += gw
-        nisa.dma_copy(dst=y[s0:s0 + ts, :], src=y_sb)
+    nisa.tensor_copy(dst=yb, src=yacc)
+    g = max(1, P // T)
+    y3 = y.reshape_dim(1, (KT, P))                                              # [T, KT, 128]
+    for i, f0 in enumerate(range(0, KT, g)):
+        f1 = min(KT, f0 + g)
+        m = (f1 - f0) * T
+        tp = nl.ndarray((m, P), dtype=y.dtype, buffer=nl.psum)                  # [g*T, 128]
+        nisa.nc_matmul(dst=tp, stationary=yb[:, f0:f1, :], moving=ident, is_transpose=True)
+        y_sb = nl.ndarray((m, P), dtype=y.dtype, buffer=nl.sbuf)                # [g*T, 128]
+        eng = nisa.engine.scalar if i % 2 else nisa.engine.vector
+        nisa.tensor_copy(dst=y_sb, src=tp, engine=eng)
+        nisa.dma_copy(dst=y3[:, f0:f1, :].permute((1, 0, 2)), src=y_sb)
 
 
 @nki.jit
