@@ -86,7 +86,8 @@ class MLAPlan(nl.NKIObject):
     qk_mul: scale x (FP8, per tensor) kv_scale, applied to the scores as they leave PSUM; v_mul:
     the per-tensor FP8 scale applied to the output (1.0 for bf16 and per-token scales).
     tok_scale: per-token FP8 scales (``kv_scale`` an HBM array, tiles dequantized in SBUF);
-    deq_act: share of those dequantization passes on ScalarE (the rest on VectorE).
+    deq_act: share of those dequantization passes on ScalarE (the rest on VectorE); evict_act:
+    the ScalarE share of the PSUM evictions (row layout, packed), EVICT_ACT unless per-token.
     W, nslot: few query rows (``s_q H <= 64``): the rows are repeated in ``nslot`` PE column
     tiles of W, each slot takes ``T / nslot`` of a full tile's token slices (its own softmax
     state, merged at the end); nslot = 1: one row layout.
@@ -105,6 +106,7 @@ class MLAPlan(nl.NKIObject):
     nslot: int = 1
     tok_scale: bool = False
     deq_act: float = 0.0
+    evict_act: tuple = EVICT_ACT
 
     @property
     def rows(self) -> int:
@@ -591,7 +593,7 @@ class _Run:
         """PSUM -> SBUF copies spread over ScalarE (share EVICT_ACT) and VectorE (which also
         takes the score evictions and the accumulator updates)."""
         i = self.n_evict
-        f = EVICT_ACT[self.cfg.nslot > 1]
+        f = self.cfg.evict_act[self.cfg.nslot > 1]
         act = int((i + 1) * f + 1e-9) > int(i * f + 1e-9)
         self.n_evict += 1
         nisa.tensor_copy(dst=dst, src=src,
@@ -601,13 +603,17 @@ class _Run:
 # ---------------------------------------------------------------------------------------- op
 OP = "mla_decode"
 _FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}
-# Per-token FP8: share of the SBUF dequantization passes (one per token slice) on ScalarE, the
-# rest on VectorE, per generation and (row layout, packed slots). Trn3's VectorE converts FP8 ->
-# bf16 in its 4x mode (4x ScalarE's rate), Trn2's has no fast FP8 mode. Modeled, DeepSeek-V3
-# L=32K, H=128 / H=16 (us): Trn3 share 0: 172.7 / 155.0, 0.25: 166.9 / 148.6, 0.375: 165.9 /
-# 147.5, 0.5: 174.1 / 148.1; Trn2 0.375: 261.8 / 256.3, 0.5: 249.4 / 237.5, 0.625: 250.0 /
-# 225.0, 0.75: 264.3 / 223.2.
-DEQ_ACT = {3: (0.5, 0.75), 4: (0.375, 0.375)}
+# Per-token FP8, per generation and (row layout, packed slots): the share of the SBUF
+# dequantization passes (one per token slice) on ScalarE, the rest on VectorE (Trn3's VectorE
+# converts FP8 -> bf16 in its 4x mode, 4x ScalarE's rate; Trn2's has no fast FP8 mode), and the
+# ScalarE share of the PSUM evictions (EVICT_ACT's role; the dequantization moves the balance).
+# Modeled, DeepSeek-V3 L=32K, H=128 / H=16 (us), (eviction share, dequantization share):
+# Trn3 row (0.75, 0) 172.7, (0.75, 0.375) 165.9, (0.9, 0.25) 161.5, (1, 0.25) 159.9, (1, 0.125)
+# 156.1, (1, 0) 158.4; packed (0.6, 0.375) 147.5, (0.8, 0.25) 145.3, (0.9, 0.25) 150.4;
+# Trn2 row (0.75, 0.5) 249.4, (0.6, 0.625) 242.5, (0.5, 0.75) 236.7, (0.45, 0.75) 239.7,
+# (0.5, 0.875) 242.3; packed (0.6, 0.75) 223.2, (0.5, 0.75) 226.9, (0.6, 0.875) 234.0.
+DEQ_ACT = {3: (0.75, 0.75), 4: (0.125, 0.25)}
+TOK_EVICT_ACT = {3: (0.5, 0.6), 4: (1.0, 0.8)}
 
 
 def _per_token(x) -> bool:
@@ -720,7 +726,8 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
     plan = MLAPlan(B=B, s_q=s_q, H=H, layout=lay, seq_lens=tuple(int(x) for x in sl), items=items,
                    qk_mul=scale * kvs, v_mul=kvs, return_lse=bool(return_lse),
                    out_dtype=nl.bfloat16, W=W, nslot=nslot, tok_scale=bool(tok),
-                   deq_act=DEQ_ACT[gen][nslot > 1] if tok else 0.0)
+                   deq_act=DEQ_ACT[gen][nslot > 1] if tok else 0.0,
+                   evict_act=TOK_EVICT_ACT[gen] if tok else EVICT_ACT)
     rowtab = row_table(plan)
     extra = (ks_tok,) if tok else ()
     res = launch(mla_decode_kernel, q_nope, q_rope, kv_cache, bt, rowtab, plan, *extra, lnc=lnc)
