@@ -377,7 +377,7 @@ def _sbuf_need_mx(tb, H, I, plan):
     quantization stage, xq, hT, hq, the weight tiles in flight (3 transfers), silu tiles,
     two yT buffers, fixed tiles."""
     KTh, KC = cdiv(H, CHUNK), cdiv(I // P, 4)
-    rows = cdiv(tb, P) * H * (2 + 4) + 2 * tb * 4 * 2
+    rows = cdiv(tb, P) * H * 2 + 2 * tb * 4 * 2
     xq = KTh * tb * 4 + cdiv(KTh, 4) * tb
     h = 4 * KC * tb * 2 + KC * tb * 4 + cdiv(KC, 4) * tb
     ring = 3 * plan.kb_gu * (KTh * CHUNK + cdiv(KTh, 4) * P)
@@ -972,16 +972,8 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
 
             if mx is not None:
                 xq, xs = _x_mx(subs, tb, H, ident, mx)
-                rows = [nl.ndarray((ts, H), dtype=nl.float32, buffer=nl.sbuf)     # [ts, H]
-                        for _, ts, _ in subs]
-
-                def collect(acc, j0, widths, B):
-                    yT = _evicted(acc, j0, widths, tb, None, None)
-                    _store_rows(y32, ident_f, yT, 0, tb, d_widths[:j0], widths, None, rows)
-
                 _expert_step_mx(xq, xs, tb, H, I, *_mx_views(w_gu, s_gu, w_d, s_d, e), wrow,
-                                plan, mx, collect)
-                _scatter_rows(y32, rows, sis)
+                                plan, mx, scatter)
                 return
             _x_quantize(subs, q, all_steps=True)
             xT, A = _x_block(subs, tb, H, None, ident, ident_f, q, w_gu.dtype)
@@ -1010,22 +1002,17 @@ def _evicted(acc, j0, widths, tb, q, B, ev=None):
     return yT
 
 
-def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, out=None):
+def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis):
     """``yT [features, tokens]`` -> rows of the fp32 accumulator ``y32`` at columns
     ``[sum(before), + sum(widths))``: fp32 PE transposes (4 feature tiles per PSUM bank), then a
     plain store (``sis`` None: rows t0...) or a scatter-add to the rows ``sis[sub-tile]``
-    (indirect DMA read-modify-write, padding rows out of bounds and skipped). ``out``: a list
-    of ``[ts, H]`` fp32 SBUF row tiles (one per 128-token sub-tile) that take the columns
-    instead, for one scatter-add of whole rows later (:func:`_scatter_rows`)."""
+    (indirect DMA read-modify-write, padding rows out of bounds and skipped)."""
     H = y32.shape[1]
     c0 = sum(before)
     ncols = sum(widths)
     for n, s0 in enumerate(range(0, tb, P)):
         ts = min(P, tb - s0)
-        if out is not None:
-            y_sb = out[n][:, c0:c0 + ncols]                                       # [ts, ncols]
-        else:
-            y_sb = nl.ndarray((ts, ncols), dtype=nl.float32, buffer=nl.sbuf)      # [ts, ncols]
+        y_sb = nl.ndarray((ts, ncols), dtype=nl.float32, buffer=nl.sbuf)          # [ts, ncols]
         col = 0
         for g0 in range(0, len(widths), 4):
             g1 = min(len(widths), g0 + 4)
@@ -1034,25 +1021,12 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, out=None):
             eng = nisa.engine.scalar if (g0 // 4) % 2 else nisa.engine.vector
             nisa.tensor_copy(dst=y_sb[:, col:col + gw], src=tp, engine=eng)
             col += gw
-        if out is not None:
-            continue
         if sis is None:
             nisa.dma_copy(dst=y32[t0 + s0:t0 + s0 + ts, c0:c0 + ncols], src=y_sb)
         else:
             dst = y32.ap([[H, ts], [1, ncols]], offset=c0, vector_offset=sis[n], indirect_dim=0)
             nisa.dma_compute(dst=dst, srcs=[dst, y_sb], reduce_op=nl.add,
                              oob_mode=nisa.oob_mode.skip)
-
-
-def _scatter_rows(y32, rows, sis):
-    """Scatter-add whole output rows ``rows[n] [ts, H]`` fp32 to the rows ``sis[n]`` of ``y32``
-    (one DMA read-modify-write per 128-token sub-tile: each is ordered after the previous one
-    to ``y32``, so fewer, longer ones shorten that chain)."""
-    H = y32.shape[1]
-    for n, r in enumerate(rows):
-        ts = r.shape[0]
-        dst = y32.ap([[H, ts], [1, H]], offset=0, vector_offset=sis[n], indirect_dim=0)
-        nisa.dma_compute(dst=dst, srcs=[dst, r], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
 
 
 # ---------------------------------------------------------------------------------------- op
