@@ -240,6 +240,9 @@ def token_scales(op, name, s, lead, dims, lens, block_table=None, block_size=Non
     leading dims ``lead`` (named ``dims``, e.g. "[num_blocks, block_size]"). The slots the op
     reads (the first ``L`` tokens of each sequence, through ``block_table`` when paged) must be
     finite and > 0; the others are never read and not checked. A contiguous fp32 NumPy array."""
+    if not hasattr(s, "dtype"):
+        raise TypeError(f"{op}: {name} (per-token scales) must be a float32 array {dims}; got "
+                        f"{type(s).__name__}")
     shape = getattr(s, "shape", None)
     if shape is None or tuple(int(x) for x in shape) != tuple(int(x) for x in lead):
         raise ValueError(f"{op}: {name} (per-token scales) must be {dims} = "

@@ -433,6 +433,8 @@ def test_refusals():
         r"leading dims; got shape \[1, 7\]", qn, qr, f8, kv_scale=ok[:, :7])
     bad(r"kv_scale \(per-token scales\) must be \[B, S_max\] = \[1, 8\].*got shape \[8\]",
         qn, qr, f8, kv_scale=ok[0])
+    bad(r"kv_scale \(per-token scales\) must be a float32 array \[B, S_max\]; got list", qn, qr,
+        f8, kv_scale=ok.tolist())
     bad(r"kv_scale \(per-token scales\) dtype must be float32; got float64", qn, qr, f8,
         kv_scale=ok.astype(np.float64))
     bad(r"kv_scale \(per-token scales\) dtype must be float32; got bfloat16", qn, qr, f8,
