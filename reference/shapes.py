@@ -349,8 +349,9 @@ def linear_of(cfg: ModelConfig, tokens: int, which: str) -> MatmulShape:
 # Decode attention bench rows (issue 15): Llama-3-8B at B = 1 / 8 / 64 and 2K-128K contexts,
 # Llama-3-70B TP8, a skewed batch, paged (block 64) and contiguous, bf16 and FP8 caches, s_q = 4,
 # LNC=2. The skewed batch (1 x 128K + 63 x 1K) is paged, as a server holds it: a contiguous
-# [64, 128K] cache would be 17 GB of mostly unused rows. "fp8" is the target's FP8 (e4m3 on Trn2, e4m3fn on Trn3). DECODE_DEFAULT: the default
-# bench's row (one: the serving path, a paged Llama-3-8B batch; ~25 s on the emulator).
+# [64, 128K] cache would be 17 GB of mostly unused rows. "fp8" is the target's FP8 (e4m3 on
+# Trn2, e4m3fn on Trn3). DECODE_DEFAULT: the default bench's row (one: the serving path, a paged
+# Llama-3-8B batch; ~25 s on the emulator).
 DECODE_MODELS = (
     decode_bench_of(LLAMA3_8B, 2048),
     decode_bench_of(LLAMA3_8B, 32768),
