@@ -411,6 +411,16 @@ def test_mx_unchosen_experts_are_not_read(rng, regime):
         assert seen == {3, 7, 12}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("regime,T", [("decode", 8), ("prefill", 300)])
+def test_mx_model_widths(rng, regime, T):
+    """Qwen3-30B-A3B's real expert (H 2048, I 768: a 256-row down tail on 64 partitions) with 8
+    experts and a shared expert of the same width."""
+    s = QWEN3_30B_A3B
+    x, g, d, w, ids, kw = _mx_case(rng, T, s.hidden, s.moe_intermediate, 8, 2, s.moe_intermediate)
+    _run_mx(x, g, d, w, ids, regime, **kw)
+
+
 def test_mx_ep_shards_sum_to_the_whole(rng):
     E, ep = 8, 2
     x, g, d, w, ids, _ = _mx_case(rng, 12, 256, 128, E, 3)
