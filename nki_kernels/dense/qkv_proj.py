@@ -81,8 +81,8 @@ KC_GROUP = 256       # tokens per PSUM accumulation group of the k-chunked nest
 
 
 def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options) -> QKVPlan:
-    """Largest token block (multiple of 64, <= tb_max) whose SBUF fits; the k-chunked nest for
-    narrow N at prefill sizes (the largest chunk that fits).
+    """Largest token block (multiple of 64, <= tb_max) whose SBUF fits (narrow N: one pass per
+    block first); the k-chunked nest for narrow N at prefill sizes (8 k-tiles per chunk first).
 
     The SBUF figure is ``qkv_sbuf`` of the candidate: the kernel's own buffers walked in its
     order, the peak of what it holds at once. ``options``: the keyword flags of ``qkv_sbuf``
@@ -112,7 +112,7 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
         one = [t for t in cands
                if D.max_tiles_per_pass(max(b for _, b in D.token_blocks(T, t)), 1) >= nt]
         cands = one + [t for t in cands if t not in one]
-    sb = None
+    best = None
     for tbm in cands:
         tb = max(b for _, b in D.token_blocks(T, tbm))
         nf = D.max_tiles_per_pass(tb, 1)
@@ -123,7 +123,8 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
         sb = qkv_sbuf(T, H, n_q, n_kv, d, tbm, nf, kb, **opts).peak
         if sb <= sbuf_budget:
             return QKVPlan(T, H, N, tbm, nf, kb, T < DECODE_T_MAX, sb)
-    raise ValueError(f"qkv_proj: hidden={H} needs {sb} bytes of SBUF per partition even at 64 "
+        best = sb if best is None else min(best, sb)
+    raise ValueError(f"qkv_proj: hidden={H} needs {best} bytes of SBUF per partition even at 64 "
                      f"tokens per block; {sbuf_budget} available")
 
 
