@@ -177,11 +177,12 @@ def test_slot_plan():
     assert slots(128, 8) == (128, 1)
 
 
-def test_mla_decode_fp8(tgt):
+@pytest.mark.parametrize("H, lens", [(16, [2200]), (128, [700])], ids=["H16-fp8", "H128-cast"])
+def test_mla_decode_fp8(tgt, H, lens):
+    # H=16: FP8 K^T by identity matmuls; H=128 (> 64 rows): tiles cast to bf16 in SBUF (deq_cast)
     rng = np.random.default_rng(5)
     dt = FP8[tgt]
-    lens = [2200]
-    qn, qr, kv, table = _inputs(rng, 1, 1, 16, lens, 64, dtype=dt)
+    qn, qr, kv, table = _inputs(rng, 1, 1, H, lens, 64, dtype=dt)
     # range limits of the format, scaled back by kv_scale
     kv[0, 0, 0:4] = np.array([448.0 if tgt == "trn3" else 240.0, -2.0 ** -6, 0.0, 1.0],
                              dtype=np.float32).astype(dt)

@@ -86,6 +86,8 @@ class MLAPlan(nl.NKIObject):
     qk_mul: scale x (FP8, per tensor) kv_scale, applied to the scores as they leave PSUM; v_mul:
     the per-tensor FP8 scale applied to the output (1.0 for bf16 and per-token scales).
     tok_scale: per-token FP8 scales (``kv_scale`` an HBM array, tiles dequantized in SBUF);
+    deq_cast: per-tensor FP8 tiles cast to bf16 in SBUF (exact) and then run the bf16 path (the
+    scale stays in qk_mul / v_mul), chosen where TensorE binds (one row layout of > 64 rows);
     deq_act: share of those dequantization passes on ScalarE (the rest on VectorE); evict_act:
     the ScalarE share of the PSUM evictions (row layout, packed), EVICT_ACT unless per-token.
     W, nslot: few query rows (``s_q H <= 64``): the rows are repeated in ``nslot`` PE column
@@ -105,6 +107,7 @@ class MLAPlan(nl.NKIObject):
     W: int = P
     nslot: int = 1
     tok_scale: bool = False
+    deq_cast: bool = False
     deq_act: float = 0.0
     evict_act: tuple = EVICT_ACT
 
@@ -173,7 +176,7 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_sca
     mine = cfg.items[pid]
     split, parts_hbm = split_parts(cfg.items, cfg.n_groups, D_LATENT)
     ident = None
-    if kv_cache.dtype not in (nl.bfloat16, nl.float16) and not cfg.tok_scale:
+    if kv_cache.dtype not in (nl.bfloat16, nl.float16) and not (cfg.tok_scale or cfg.deq_cast):
         # FP8 used as stored (per-tensor scale): K^T by matmul with the identity
         ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)               # [128, 128]
     if pid == 0:
@@ -224,8 +227,9 @@ class _Tile:
     """One latent tile in SBUF and (once built) its K^T; per-token FP8: its scales ``s``
     until the tile is dequantized (``c`` is then the bf16 tile)."""
 
-    def __init__(self, c, n, s=None):
+    def __init__(self, c, n, s=None, raw=False):
         self.c, self.n, self.s = c, n, s
+        self.raw = raw                     # FP8, to be dequantized to bf16 in SBUF
         self.kT = None
 
 
@@ -241,7 +245,8 @@ class _Run:
         self.cfg = cfg
         self.lay = cfg.layout
         self.fp8 = kv.dtype not in (nl.bfloat16, nl.float16)
-        self.kt_fp8 = self.fp8 and not cfg.tok_scale     # K^T straight from the FP8 tile
+        # K^T straight from the FP8 tile, or (per-token scales, deq_cast) from its bf16 copy
+        self.kt_fp8 = self.fp8 and not (cfg.tok_scale or cfg.deq_cast)
         self.ks = kv_scale
         self.n_evict = 0
         self.n_deq = 0
@@ -275,7 +280,7 @@ class _Run:
             s = None
             if cfg.tok_scale:
                 s = self.load_scales(it, k0, n, tabs.get(ii))
-            loaded[j] = _Tile(c, n, s)
+            loaded[j] = _Tile(c, n, s, raw=cfg.tok_scale or cfg.deq_cast)
 
         jobs = [(j, g) for j in range(len(tiles)) for g in range(cfg.n_groups)]
         state = {}
@@ -291,11 +296,11 @@ class _Run:
                 tile = loaded[j]
                 packed = cfg.nslot > 1 and not last        # an item's last tile: one row layout
                 if g == 0:
-                    if tile.s is not None:                 # per-token FP8, not dequantized yet
+                    if tile.raw:                           # FP8 to dequantize, not done yet
                         self.dequant(tile)
                     gen_a = self.stage_kT(tile, n, packed)
                     ahead = j + DEQ_AHEAD
-                    if ahead in loaded and loaded[ahead].s is not None:
+                    if ahead in loaded and loaded[ahead].raw:
                         self.dequant(loaded[ahead])
                 state[ja] = _Job(mine[ii], groups[ii][g], tile, k0, n, lay.T, packed)
             jb = step - LAGS[1]
@@ -438,10 +443,13 @@ class _Run:
             i = self.n_deq
             self.n_deq += 1
             act = int((i + 1) * f + 1e-9) > int(i * f + 1e-9)
-            nisa.tensor_scalar(dst=cb[0:npp, t, 0, :], data=tile.c[0:npp, t, 0, :],
-                               op0=nl.multiply, operand0=tile.s[0:npp, t:t + 1],
-                               engine=nisa.engine.scalar if act else nisa.engine.vector)
-        tile.c, tile.s = cb, None
+            eng = nisa.engine.scalar if act else nisa.engine.vector
+            if tile.s is None:             # per-tensor: a cast (every FP8 value is a bf16 value)
+                nisa.tensor_copy(dst=cb[0:npp, t, 0, :], src=tile.c[0:npp, t, 0, :], engine=eng)
+            else:
+                nisa.tensor_scalar(dst=cb[0:npp, t, 0, :], data=tile.c[0:npp, t, 0, :],
+                                   op0=nl.multiply, operand0=tile.s[0:npp, t:t + 1], engine=eng)
+        tile.c, tile.s, tile.raw = cb, None, False
 
     # -- stages ---------------------------------------------------------------------------------
     def stage_kT(self, tile, n, packed=False):
@@ -717,17 +725,21 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
     if tok:
         dims = "[B, S_max]" if bt is None else "[num_blocks, block_size]"
         ks_tok = token_scales(OP, "kv_scale", kv_scale, (N0, S1), dims, sl, bt, bs)
-    # per-token FP8 tiles are dequantized to bf16 in SBUF: the bf16 tile geometry (SBUF room)
-    T = tokens_per_partition(1, D_QK, 1 if is_fp8 and not tok else 2, bs,
+    # per-tensor FP8 with more than 64 query rows (one row layout, TensorE binds): tiles cast to
+    # bf16 in SBUF, so K^T takes the bf16 transposes instead of identity matmuls (DeepSeek-V3
+    # H=128 L=32K, Trn3 modeled: see docs/attention.md); fewer rows keep FP8 as stored
+    deq = is_fp8 and not tok and s_q * H > 64
+    # tiles dequantized to bf16 in SBUF: the bf16 tile geometry (SBUF room)
+    T = tokens_per_partition(1, D_QK, 1 if is_fp8 and not (tok or deq) else 2, bs,
                              max_len=int(sl.max(initial=1)))
     lay = KVLayout(bt is not None, bs or 0, 1, D_QK, T)
     items = plan_split_kv([int(x) for x in sl], lay.tile_keys, lnc, s_q=s_q)
     W, nslot = slots(s_q * H, T)
     plan = MLAPlan(B=B, s_q=s_q, H=H, layout=lay, seq_lens=tuple(int(x) for x in sl), items=items,
                    qk_mul=scale * kvs, v_mul=kvs, return_lse=bool(return_lse),
-                   out_dtype=nl.bfloat16, W=W, nslot=nslot, tok_scale=bool(tok),
-                   deq_act=DEQ_ACT[gen][nslot > 1] if tok else 0.0,
-                   evict_act=TOK_EVICT_ACT[gen] if tok else EVICT_ACT)
+                   out_dtype=nl.bfloat16, W=W, nslot=nslot, tok_scale=bool(tok), deq_cast=deq,
+                   deq_act=DEQ_ACT[gen][nslot > 1] if tok or deq else 0.0,
+                   evict_act=TOK_EVICT_ACT[gen] if tok or deq else EVICT_ACT)
     rowtab = row_table(plan)
     extra = (ks_tok,) if tok else ()
     res = launch(mla_decode_kernel, q_nope, q_rope, kv_cache, bt, rowtab, plan, *extra, lnc=lnc)
