@@ -29,7 +29,7 @@ from . import _tiles as D
 from ._tiles import P, cdiv, tile_weight
 
 NCOLS_MAX = 4096        # weight columns per pass: 8 KiB bf16 rows per k-tile in SBUF
-FP8_TB_PREF = 384       # FP8 prefill of several blocks: tokens per block tried first
+FP8_TB_PREF = 384       # FP8 tile-major prefill of several blocks: tokens per block first
 _FP8 = ("float8_e4m3", "float8_e4m3fn")
 FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0}
 
@@ -80,10 +80,13 @@ def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget, tiled=False, *, norm=True,
     KT, KI = cdiv(H, P), cdiv(I, P)
     best = None
     cands = list(range(512, 63, -64))
-    if fp8 and T > D.TB_MAX:
-        # FP8 prefill of several blocks: blocks of at most 384 tokens first (Llama-3-8B,
-        # T = 2048: 6 blocks of 342 tokens 4862.7 us, 4 of 512 4888.3 us; at T = 512 one block
-        # of 512 is the faster, 1262.6 us against 1281.2 us for 2 of 256; Trn3, modeled)
+    if fp8 and tiled and T > D.TB_MAX:
+        # FP8 tile-major prefill of several blocks (weights stream at full DMA efficiency, the
+        # GEMM binds): blocks of at most 384 tokens first (Llama-3-8B, T = 2048: 6 blocks of 342
+        # tokens 4862.7 us, 4 of 512 4888.3 us; at T = 512 one block of 512 is the faster,
+        # 1262.6 us against 1281.2 us for 2 of 256; Trn3, modeled). Row-major FP8 streams at
+        # ~42% efficiency and wants fewer, larger blocks (Llama-3-70B TP8, T = 2048: 512 tokens
+        # 2704.9 us, 384 tokens 2716.0 us)
         cands = [FP8_TB_PREF] + [c for c in cands if c != FP8_TB_PREF]
     for tb_max in cands:
         tb = max(b for _, b in D.token_blocks(T, tb_max))
