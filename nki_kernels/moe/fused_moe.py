@@ -1093,12 +1093,7 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     sh_gu = sh_d = ss_gu = ss_d = None
     if shared is not None:
         sh_gu, sh_d, ss_gu, ss_d = _check_shared(name, shared, shared_scales, H, wdt, tiled, fp8)
-    if regime is None:
-        regime = "decode" if T <= DECODE_T_MAX else "prefill"
-    if regime not in ("decode", "prefill"):
-        raise ValueError(f"{name}: regime must be None, 'decode' or 'prefill'; got {regime!r}")
-    if regime == "decode" and T > P:
-        raise ValueError(f"{name}: the decode regime takes at most {P} tokens; got T={T}")
+    regime = _regime(name, T, regime)
     lids = local_ids(ids, E, expert_offset)
     w32 = wts.astype(np.float32)
     wb = 1 if fp8 else 2
