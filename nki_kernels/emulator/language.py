@@ -67,52 +67,80 @@ def _parser_era() -> bool:
     return not versions.at_least("0.7")
 
 
+_MISSING = object()
+
+
+def _default(d):
+    """The value a field takes when the constructor does not give it (``_MISSING``: none)."""
+    import dataclasses
+    if isinstance(d, dataclasses.Field):
+        if d.default_factory is not dataclasses.MISSING:
+            return d.default_factory()
+        return _MISSING if d.default is dataclasses.MISSING else d.default
+    return d
+
+
+def _assign(obj, names, defaults, args, kwargs):
+    """Set ``obj``'s fields ``names`` from ``args`` / ``kwargs``, else from ``defaults`` (a field
+    or class attribute per name, ``_MISSING`` for none), with Python's errors. A field without a
+    value is left unset under NKI 0.3-0.6 (the parser front end; reading it raises
+    AttributeError) and refused from NKI 0.7 (the Python tracer)."""
+    cls = type(obj)
+    if len(args) > len(names):
+        raise TypeError(f"{cls.__name__}() takes {len(names)} positional arguments but "
+                        f"{len(args)} were given")
+    values = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k not in names:
+            raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {k!r}")
+        if k in values:
+            raise TypeError(f"{cls.__name__}() got multiple values for argument {k!r}")
+        values[k] = v
+    for n in names:
+        if n not in values:
+            d = _default(defaults.get(n, _MISSING))
+            if d is _MISSING:
+                if _parser_era():
+                    continue
+                raise TypeError(f"{cls.__name__}() missing required argument {n!r}")
+            values[n] = d
+    for n, v in values.items():
+        object.__setattr__(obj, n, v)
+
+
 class _NKIObjectType(type):
     """Builds NKIObjects as NKI's parser front end (NKI 0.3-0.6) does: a ``@dataclass`` field the
     constructor is not given is left unset (an error only where it is read), where Python's
     dataclass ``__init__`` refuses the call. NKI Library's ``MLPTKGConstantsDimensionSizes``
     declares ``remainderIFused`` and never passes it (public releases 2026-01-23 to 2026-04-13, with
     device QoR baselines for its 125 ``mlp_tkg`` tests). From NKI 0.7 (the Python tracer) the call
-    fails as in Python."""
+    fails as in Python. Every other call is Python's own."""
 
     def __call__(cls, *args, **kwargs):
         import dataclasses
-        init = getattr(cls, "__dataclass_fields__", None)
-        if init is None or not _parser_era() or "__init__" not in _own_dataclass_init(cls):
+        if not (_generated_dataclass_init(cls) and _parser_era()):
             return super().__call__(*args, **kwargs)
-        fields = [f for f in dataclasses.fields(cls) if f.init]
-        given = {f.name for f in fields[:len(args)]} | set(kwargs)
-        missing = [f.name for f in fields if f.name not in given
-                   and f.default is dataclasses.MISSING
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        given = set(list(fields)[:len(args)]) | set(kwargs)
+        missing = [n for n, f in fields.items()      # (this module's ``all`` is nl.all)
+                   if n not in given and f.default is dataclasses.MISSING
                    and f.default_factory is dataclasses.MISSING]
-        if not missing or len(args) > len(fields) or set(kwargs) - {f.name for f in fields}:
+        if not missing or len(args) > len(fields) or set(kwargs) - set(fields):
             return super().__call__(*args, **kwargs)
         obj = cls.__new__(cls)
-        values = dict(zip([f.name for f in fields], args))
-        values.update(kwargs)
-        for f in fields:
-            if f.name in values:
-                v = values[f.name]
-            elif f.default is not dataclasses.MISSING:
-                v = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                v = f.default_factory()
-            else:
-                continue                    # unset: reading it raises AttributeError
-            object.__setattr__(obj, f.name, v)
+        _assign(obj, list(fields), fields, args, kwargs)
         post = getattr(obj, "__post_init__", None)
         if post is not None:
             post()
         return obj
 
 
-def _own_dataclass_init(cls):
-    """``{"__init__"}`` when ``cls.__init__`` is the one ``@dataclass`` generated (compiled from a
-    string by ``dataclasses``), else empty."""
+def _generated_dataclass_init(cls) -> bool:
+    """``cls.__init__`` is the one ``@dataclass`` generated (compiled from a string)."""
     params = getattr(cls, "__dataclass_params__", None)
     code = getattr(getattr(cls, "__init__", None), "__code__", None)
-    ok = params is not None and params.init and code is not None and code.co_filename == "<string>"
-    return {"__init__"} if ok else set()
+    return params is not None and params.init and code is not None \
+        and code.co_filename == "<string>"
 
 
 class NKIObject(metaclass=_NKIObjectType):
@@ -126,43 +154,13 @@ class NKIObject(metaclass=_NKIObjectType):
     """
 
     def __init__(self, *args, **kwargs):
-        import dataclasses
         cls = type(self)
         names = []
         for c in reversed(cls.__mro__):
-            if c is NKIObject or not (isinstance(c, type) and issubclass(c, NKIObject)):
-                continue
-            for n in c.__dict__.get("__annotations__", {}):
-                if n not in names:
-                    names.append(n)
-        if len(args) > len(names):
-            raise TypeError(f"{cls.__name__}() takes {len(names)} positional arguments but "
-                            f"{len(args)} were given")
-        values = dict(zip(names, args))
-        for k, v in kwargs.items():
-            if k not in names:
-                raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {k!r}")
-            if k in values:
-                raise TypeError(f"{cls.__name__}() got multiple values for argument {k!r}")
-            values[k] = v
-        for n in names:
-            if n in values:
-                continue
-            if not hasattr(cls, n):
-                if _parser_era():
-                    continue                # NKI 0.3-0.6: left unset (see _NKIObjectType)
-                raise TypeError(f"{cls.__name__}() missing required argument {n!r}")
-            d = getattr(cls, n)
-            if isinstance(d, dataclasses.Field):
-                if d.default_factory is not dataclasses.MISSING:
-                    d = d.default_factory()
-                elif d.default is not dataclasses.MISSING:
-                    d = d.default
-                else:
-                    raise TypeError(f"{cls.__name__}() missing required argument {n!r}")
-            values[n] = d
-        for n, v in values.items():
-            object.__setattr__(self, n, v)
+            if c is not NKIObject and issubclass(c, NKIObject):
+                names += [n for n in c.__dict__.get("__annotations__", {}) if n not in names]
+        _assign(self, names, {n: getattr(cls, n) for n in names if hasattr(cls, n)}, args,
+                kwargs)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
