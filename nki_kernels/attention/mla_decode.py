@@ -112,6 +112,11 @@ class MLAPlan(nl.NKIObject):
     evict_act: tuple = EVICT_ACT
 
     @property
+    def dequant(self) -> bool:
+        """FP8 tiles dequantized to bf16 in SBUF (per-token scales or deq_cast), then bf16."""
+        return self.tok_scale or self.deq_cast
+
+    @property
     def rows(self) -> int:
         return self.s_q * self.H
 
@@ -176,7 +181,7 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_sca
     mine = cfg.items[pid]
     split, parts_hbm = split_parts(cfg.items, cfg.n_groups, D_LATENT)
     ident = None
-    if kv_cache.dtype not in (nl.bfloat16, nl.float16) and not (cfg.tok_scale or cfg.deq_cast):
+    if kv_cache.dtype not in (nl.bfloat16, nl.float16) and not cfg.dequant:
         # FP8 used as stored (per-tensor scale): K^T by matmul with the identity
         ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)               # [128, 128]
     if pid == 0:
@@ -246,7 +251,7 @@ class _Run:
         self.lay = cfg.layout
         self.fp8 = kv.dtype not in (nl.bfloat16, nl.float16)
         # K^T straight from the FP8 tile, or (per-token scales, deq_cast) from its bf16 copy
-        self.kt_fp8 = self.fp8 and not (cfg.tok_scale or cfg.deq_cast)
+        self.kt_fp8 = self.fp8 and not cfg.dequant
         self.ks = kv_scale
         self.n_evict = 0
         self.n_deq = 0
@@ -280,7 +285,7 @@ class _Run:
             s = None
             if cfg.tok_scale:
                 s = self.load_scales(it, k0, n, tabs.get(ii))
-            loaded[j] = _Tile(c, n, s, raw=cfg.tok_scale or cfg.deq_cast)
+            loaded[j] = _Tile(c, n, s, raw=cfg.dequant)
 
         jobs = [(j, g) for j in range(len(tiles)) for g in range(cfg.n_groups)]
         state = {}
@@ -730,7 +735,8 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
     # H=128 L=32K, Trn3 modeled: see docs/attention.md); fewer rows keep FP8 as stored
     deq = is_fp8 and not tok and s_q * H > 64
     # tiles dequantized to bf16 in SBUF: the bf16 tile geometry (SBUF room)
-    T = tokens_per_partition(1, D_QK, 1 if is_fp8 and not (tok or deq) else 2, bs,
+    dq = tok or deq
+    T = tokens_per_partition(1, D_QK, 1 if is_fp8 and not dq else 2, bs,
                              max_len=int(sl.max(initial=1)))
     lay = KVLayout(bt is not None, bs or 0, 1, D_QK, T)
     items = plan_split_kv([int(x) for x in sl], lay.tile_keys, lnc, s_q=s_q)
@@ -738,8 +744,8 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
     plan = MLAPlan(B=B, s_q=s_q, H=H, layout=lay, seq_lens=tuple(int(x) for x in sl), items=items,
                    qk_mul=scale * kvs, v_mul=kvs, return_lse=bool(return_lse),
                    out_dtype=nl.bfloat16, W=W, nslot=nslot, tok_scale=bool(tok), deq_cast=deq,
-                   deq_act=DEQ_ACT[gen][nslot > 1] if tok or deq else 0.0,
-                   evict_act=TOK_EVICT_ACT[gen] if tok or deq else EVICT_ACT)
+                   deq_act=DEQ_ACT[gen][nslot > 1] if dq else 0.0,
+                   evict_act=TOK_EVICT_ACT[gen] if dq else EVICT_ACT)
     rowtab = row_table(plan)
     extra = (ks_tok,) if tok else ()
     res = launch(mla_decode_kernel, q_nope, q_rope, kv_cache, bt, rowtab, plan, *extra, lnc=lnc)
