@@ -30,6 +30,7 @@ class SbufLedger:
 
     def __init__(self):
         self.live = {}
+        self.used = 0
         self.peak = 0
         self.at = {}
 
@@ -37,13 +38,13 @@ class SbufLedger:
         if name in self.live:
             raise KeyError(f"SbufLedger: {name!r} is already live")
         self.live[name] = int(nbytes)
-        used = sum(self.live.values())
-        if used > self.peak:
-            self.peak, self.at = used, dict(self.live)
+        self.used += int(nbytes)
+        if self.used > self.peak:
+            self.peak, self.at = self.used, dict(self.live)
 
     def drop(self, *names):
         for name in names:
-            self.live.pop(name)
+            self.used -= self.live.pop(name)
 
     def has(self, name):
         return name in self.live
