@@ -81,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--list", action="store_true", help="list the cases and exit")
     b.add_argument("--no-plot", action="store_true", help="skip the roofline PNG")
     b.add_argument("--quiet", action="store_true", help="no progress bar, no table on stdout")
+    b.add_argument("--vs-nkilib", metavar="PATH", default=None,
+                   help="run AWS NKI Library's kernel for the same problem beside ours (PATH: a "
+                        "checkout of github.com/aws-neuron/nki-library); both outputs checked, "
+                        "both times (modeled) and the ratio; see docs/bench.md")
     _profile_parser(sub)
     sub.add_parser(
         "simulate-suite", help="run an NKI project's pytest suite on the emulator",
@@ -139,6 +143,9 @@ def _bench(args) -> int:
                   file=sys.stderr)
             return 2
         print(f"nki-kernels bench: measuring on {why}", file=sys.stderr)
+    if args.vs_nkilib is not None:             # our kernels beside NKI Library's
+        from nki_kernels.bench import vs_nkilib
+        return vs_nkilib.main(args)
 
     from nki_kernels.bench import defs, harness
     ops = _ops(args.op)

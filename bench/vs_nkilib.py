@@ -1,0 +1,772 @@
+"""Our kernels beside AWS NKI Library's, one command: ``nki-kernels bench --vs-nkilib PATH``.
+
+For each bench case of a paired op (``bench/defs/<op>.py``, the tier's model shapes from
+``reference/shapes.py``) and each LNC both kernels support, this runs our op and NKI Library's
+kernel for the same problem on the same inputs, checks BOTH outputs with the bench's own check
+(``case.check``: the NumPy reference of ``reference/<op>.py`` and the accuracy rule of the
+definition), and reports both times, both % of roof (same FLOPs, bytes and roof: the case's)
+and the ratio theirs / ours (> 1: ours is faster).
+
+Times are **modeled** (``cost.estimate``: the emulator runs the kernel, the cost model turns its
+instruction trace into a time; the same call for both kernels), or device time with
+``--measured`` on a trn instance (``bench/device.py``; that path is written but has never run).
+NKI Library's kernels are written for NKI 0.3: they run under ``versions.nki_version("0.3")``,
+ours under the default, with the module aliases and stand-ins of
+``nki_kernels.emulator.pytest_plugin.install_standins`` (harness plumbing, no kernel code).
+
+A side that has no equivalent configuration, refuses the shape, fails to import (NKI Library's
+own bugs at its public head: docs/conformance.md) or fails the output check posts no time and
+says why; the ratio is only given when both sides posted a time.
+
+PATH is a checkout of github.com/aws-neuron/nki-library (kernels under
+``PATH/src/nkilib_src/nkilib/``), or the folder of an installed ``nkilib`` package (holding
+``core/``; written for a trn instance, never run here). Nothing of PATH is copied or edited.
+
+Pairs (ours -> NKI Library):
+
+* ``rmsnorm_quant`` -> ``core/rmsnorm/rmsnorm_quant.py`` ``rmsnorm_quant_kernel`` (ROW FP8, RMS
+  norm), LNC 1 and 2. Host adapters: x [T, H] -> hidden [1, T, H]; gamma [H] (LNC 1) or [1, H]
+  (LNC 2, as their tests pass it); their output [1, T, H + 4] float8_e4m3 (the last 4 bytes of a
+  row are its fp32 dequantization scale) -> ours (q [T, H], scale [T, 1] fp32).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from nki_kernels.bench import harness
+
+NKILIB_URL = "github.com/aws-neuron/nki-library"
+NKILIB_VERSION = "0.3"          # the NKI version NKI Library's public head is written for
+CHECKOUT_SUB = Path("src") / "nkilib_src" / "nkilib"
+
+
+class NoEquivalent(Exception):
+    """NKI Library (or ours) has no configuration for this problem: the side posts no time."""
+
+
+class Unavailable(Exception):
+    """NKI Library's kernel cannot be imported from PATH (its own bug, or a missing file)."""
+
+
+# ------------------------------------------------------------------------------- NKI Library
+
+
+@dataclasses.dataclass(frozen=True)
+class NkiLib:
+    """Where NKI Library's kernels are: ``sys_path`` to add, ``prefix`` of the package name."""
+    path: Path
+    kind: str            # "checkout" | "installed"
+    sys_path: Path
+    prefix: str          # "nkilib_src.nkilib" (checkout) | "nkilib" (installed package)
+    commit: str = "unknown"
+
+    def file(self, module: str) -> Path:
+        base = self.sys_path / Path(*self.prefix.split("."))
+        return base / (module.replace(".", "/") + ".py")
+
+
+def find_nkilib(path) -> NkiLib:
+    """The NKI Library at ``path`` (``--vs-nkilib PATH``), or a BenchError saying what it got and
+    what is expected."""
+    p = Path(path).expanduser()
+    expected = (f"expected a checkout of {NKILIB_URL} (a folder holding {CHECKOUT_SUB}/core/) or "
+                f"the folder of an installed nkilib package (holding core/ and __init__.py)")
+    if not p.exists():
+        raise harness.BenchError(f"--vs-nkilib PATH: got {str(path)!r}, which does not exist; "
+                                 f"{expected}")
+    if not p.is_dir():
+        raise harness.BenchError(f"--vs-nkilib PATH: got {str(path)!r}, which is a file, not a "
+                                 f"folder; {expected}")
+    p = p.resolve()
+    if (p / CHECKOUT_SUB / "core").is_dir():
+        return NkiLib(p, "checkout", p / "src", "nkilib_src.nkilib", _commit(p))
+    if (p / "core").is_dir() and (p / "__init__.py").is_file() and p.name == "nkilib":
+        # an installed package (pip's nki-library on a trn instance): written, never run here
+        return NkiLib(p, "installed", p.parent, "nkilib", "installed")
+    raise harness.BenchError(f"--vs-nkilib PATH: got {str(path)!r}, which has no "
+                             f"{CHECKOUT_SUB}/core/ folder; {expected}")
+
+
+def _commit(p: Path) -> str:
+    try:
+        r = subprocess.run(["git", "-C", str(p), "rev-parse", "--short=12", "HEAD"],
+                           capture_output=True, text=True, timeout=10,
+                           env={"GIT_OPTIONAL_LOCKS": "0", "PATH": "/usr/bin:/bin"})
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return r.stdout.strip() if r.returncode == 0 else "unknown"
+
+
+_standins = [False]
+_emulated = [True]       # False under --measured: the real nki imports NKI Library's kernels
+
+
+def load(lib: NkiLib, module: str):
+    """Import NKI Library's ``module`` (``core.rmsnorm.rmsnorm_quant``) from ``lib``, under NKI 0.3
+    on the emulator; Unavailable (with the reason, for the row) when it does not import."""
+    emulated = _emulated[0]
+    if emulated and not _standins[0]:
+        from nki_kernels.emulator.pytest_plugin import install_standins
+        install_standins()
+        _standins[0] = True
+    entry = str(lib.sys_path)
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+    name = f"{lib.prefix}.{module}"
+    rel = lib.file(module).relative_to(lib.path) if lib.kind == "checkout" else module
+    try:
+        with _nki03(emulated):
+            return __import__(name, fromlist=["_"])
+    except SyntaxError as e:
+        raise Unavailable(f"NKI Library's {rel} does not parse ({type(e).__name__} at "
+                          f"{Path(e.filename or '?').name}:{e.lineno}): NKI Library's own bug at "
+                          f"its public head (docs/conformance.md)") from None
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason for the row
+        raise Unavailable(f"NKI Library's {rel} failed to import: {type(e).__name__}: "
+                          f"{_first_line(e)}") from None
+
+
+def _nki03(emulated: bool | None = None):
+    if not (_emulated[0] if emulated is None else emulated):
+        return contextlib.nullcontext()
+    from nki_kernels.emulator.versions import nki_version
+    return nki_version(NKILIB_VERSION)
+
+
+def _nl():
+    """``nki.language`` as NKI Library sees it (the emulator once the stand-ins are installed)."""
+    import importlib
+    return importlib.import_module("nki.language")
+
+
+def _first_line(e) -> str:
+    s = str(e).strip()
+    return (s.splitlines()[0] if s else type(e).__name__)[:240]
+
+
+# ------------------------------------------------------------------------------------ pairs
+
+
+@dataclasses.dataclass
+class Stage:
+    """One NKI Library kernel call ``kernel[lnc](*args, **kwargs)``; ``make(prev)`` -> (args,
+    kwargs), ``prev`` the previous stage's output (None for the first)."""
+    kernel: Callable
+    make: Callable
+
+
+@dataclasses.dataclass
+class Launch:
+    """NKI Library's kernel(s) for one problem: its stages run in order (a chained pair, e.g.
+    rmsnorm_quant feeding mlp, is charged one launch overhead: as if in one graph); ``to_ours``
+    turns the last stage's output into what our op returns, for the bench's check."""
+    name: str
+    stages: list
+    to_ours: Callable
+
+    @classmethod
+    def one(cls, name, kernel, args, kwargs, to_ours):
+        return cls(name, [Stage(kernel, lambda _prev: (tuple(args), dict(kwargs)))], to_ours)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """``op`` (ours) beside NKI Library's ``family``: ``ours(case, lnc)`` -> the callable the bench
+    runs at that LNC (or NoEquivalent), ``theirs(lib, case, inputs, lnc, variant)`` -> a Launch
+    (or NoEquivalent / Unavailable); one row per variant of ``variants`` (NKI Library's ways of
+    doing the problem), ours run once for them all."""
+    op: str
+    family: str
+    lncs: tuple
+    ours: Callable
+    theirs: Callable
+    variants: tuple = ("",)
+
+
+# --- rmsnorm_quant
+
+
+def _rms_quant(case) -> tuple[str, bool]:
+    return ("mx" if "mxfp8" in case.dtype else "fp8"), "+res" in case.dtype
+
+
+def _ours_rmsnorm_quant(case, lnc):
+    if lnc == 1:
+        return case.run
+    from nki_kernels.quant.rmsnorm_quant import rmsnorm_quant
+    quant, _ = _rms_quant(case)
+
+    def run(x, g, res=None):          # the bench definition's call, at LNC 2
+        return rmsnorm_quant(x, g, quant=quant, residual=res, lnc=lnc)
+    return run
+
+
+def rmsnorm_to_theirs(x, g, lnc):
+    """Our (x [T, H], gamma [H]) as NKI Library's (hidden [1, T, H], ln_w [H] or, LNC > 1, [1, H])."""
+    T, H = x.shape
+    return np.asarray(x).reshape(1, T, H), (np.asarray(g) if lnc == 1 else
+                                            np.asarray(g).reshape(1, H))
+
+
+def rmsnorm_from_theirs(out, T, H):
+    """NKI Library's ROW output [.., T, H + 4] (fp8 bytes; a row's last 4 bytes are its fp32
+    dequantization scale) as ours: (q [T, H] fp8, scale [T, 1] float32)."""
+    a = np.asarray(out).reshape(T, H + 4)
+    if a.dtype.itemsize != 1:
+        raise ValueError(f"NKI Library rmsnorm_quant output: expected 1-byte FP8 data, got "
+                         f"{a.dtype}")
+    scale = np.ascontiguousarray(a[:, H:]).view(np.uint8).view(np.float32).reshape(T, 1)
+    return np.ascontiguousarray(a[:, :H]), scale
+
+
+def rmsnorm_to_ours_layout(q, scale):
+    """Inverse of rmsnorm_from_theirs (tests: the round trip): [1, T, H + 4] 1-byte rows."""
+    T, H = q.shape
+    sc = np.ascontiguousarray(np.asarray(scale, dtype=np.float32).reshape(T, 1)).view(np.uint8)
+    rows = np.concatenate([np.ascontiguousarray(q).view(np.uint8), sc], axis=1)
+    return rows.view(q.dtype).reshape(1, T, H + 4)
+
+
+def _theirs_rmsnorm_quant(lib, case, inputs, lnc, variant=""):
+    quant, residual = _rms_quant(case)
+    if quant == "mx":
+        raise NoEquivalent("NKI Library's rmsnorm_quant quantizes to FP8 per row (ROW) or with a "
+                           "static scale; it has no MXFP8 output")
+    if residual:
+        raise NoEquivalent("NKI Library's rmsnorm_quant has no fused residual add")
+    m = load(lib, "core.rmsnorm.rmsnorm_quant")
+    types = load(lib, "core.utils.common_types")
+    x, g = inputs[:2]
+    T, H = x.shape
+    hidden, ln_w = rmsnorm_to_theirs(x, g, lnc)
+    with _nki03():
+        kargs = m.RmsNormQuantKernelArgs(quantization_type=types.QuantizationType.ROW,
+                                         norm_type=types.NormType.RMS_NORM, eps=1e-6)
+    return Launch.one("rmsnorm_quant_kernel (ROW fp8_e4m3)", m.rmsnorm_quant_kernel,
+                      (hidden, ln_w, kargs), {}, lambda out: rmsnorm_from_theirs(out, T, H))
+
+
+# --- swiglu_mlp
+
+
+def _ours_swiglu_mlp(case, lnc):
+    if lnc != 1:
+        raise NoEquivalent("our swiglu_mlp runs on one NeuronCore (no LNC 2)")
+    return case.run
+
+
+def mlp_weights_to_theirs(inputs, I):
+    """Our swiglu_mlp inputs as NKI Library's mlp weights: row-major [H, I], [H, I], [I, H]
+    (tile-major weights untiled on the host) and, for FP8, the per-column scales [N] as the
+    [128, N] rows their ROW mode reads (the same row on every partition)."""
+    from nki_kernels.bench.defs.swiglu_mlp import _untile
+    x, _g, wg, wu, wd, *scales = inputs
+    H = x.shape[1]
+    ws = [np.ascontiguousarray(_untile(w, sh)) for w, sh in
+          zip((wg, wu, wd), ((H, I), (H, I), (I, H)))]
+    sc = [np.ascontiguousarray(np.broadcast_to(np.asarray(s, np.float32).reshape(1, -1),
+                                               (128, np.size(s)))) for s in scales]
+    return ws, sc
+
+
+def mlp_from_theirs(out, x):
+    """NKI Library's mlp output ([1, T, H] bf16, or a list whose first item it is) plus the
+    residual x, added on the host (their mlp has no add after the down projection; ours does
+    it in the kernel, and its time is not charged to theirs)."""
+    import ml_dtypes
+    o = out[0] if isinstance(out, (list, tuple)) else out
+    T, H = x.shape
+    y = np.asarray(o).reshape(T, H).astype(np.float32) + np.asarray(x).astype(np.float32)
+    return y.astype(ml_dtypes.bfloat16)
+
+
+def _theirs_swiglu_mlp(lib, case, inputs, lnc, variant=""):
+    T, H, I = case.dims["T"], case.dims["H"], case.dims["I"]
+    m = load(lib, "core.mlp.mlp")
+    types = load(lib, "core.utils.common_types")
+    params = load(lib, "core.mlp.mlp_parameters")
+    mode = "mlp_tkg" if T <= getattr(params, "TKG_BS_SEQLEN_THRESHOLD", 96) else "mlp_cte"
+    x, g = inputs[:2]
+    ws, sc = mlp_weights_to_theirs(inputs, I)
+    hidden = np.asarray(x).reshape(1, T, H)
+    gamma = np.asarray(g, np.float32)
+    to_ours = lambda out: mlp_from_theirs(out, x)        # noqa: E731
+    if not sc:                                           # bf16 weights: one kernel, norm inside
+        kw = dict(normalization_weights_tensor=gamma.reshape(1, H),
+                  normalization_type=types.NormType.RMS_NORM, eps=1e-6)
+        return Launch.one(f"mlp ({mode}, RMS norm, bf16)", m.mlp, (hidden, *ws), kw, to_ours)
+    fp8 = dict(quantization_type=types.QuantizationType.ROW, gate_w_scale=sc[0],
+               up_w_scale=sc[1], down_w_scale=sc[2])
+    if mode == "mlp_tkg":         # their TKG ROW mode takes bf16 tokens, RMS norm inside (as ours)
+        kw = dict(normalization_weights_tensor=gamma.reshape(1, H),
+                  normalization_type=types.NormType.RMS_NORM, eps=1e-6, **fp8)
+        return Launch.one(f"mlp ({mode}, RMS norm, ROW fp8)", m.mlp, (hidden, *ws), kw, to_ours)
+    # CTE: NKI Library's ROW mode takes the activations quantized per row with the scale in the
+    # row's last 4 bytes, as its rmsnorm_quant writes them (bf16 tokens with RMS norm + ROW fail
+    # in their CTE transpose): the two kernels chained
+    rq = load(lib, "core.rmsnorm.rmsnorm_quant")
+    with _nki03():
+        kargs = rq.RmsNormQuantKernelArgs(quantization_type=types.QuantizationType.ROW,
+                                          norm_type=types.NormType.RMS_NORM, eps=1e-6)
+    import ml_dtypes
+    ln_w = gamma.astype(ml_dtypes.bfloat16)
+    ln_w = ln_w if lnc == 1 else ln_w.reshape(1, H)
+    kw = dict(normalization_type=types.NormType.NO_NORM, output_dtype=_nl().bfloat16, **fp8)
+    return Launch(f"rmsnorm_quant_kernel -> mlp ({mode}, ROW fp8)", [
+        Stage(rq.rmsnorm_quant_kernel, lambda _prev: ((hidden, ln_w, kargs), {})),
+        Stage(m.mlp, lambda prev: ((np.asarray(prev), *ws), kw)),
+    ], to_ours)
+
+
+# --- qkv_proj
+
+
+def _ours_qkv_proj(case, lnc):
+    if lnc != 1:
+        raise NoEquivalent("our qkv_proj runs on one NeuronCore (no LNC 2)")
+    return case.run
+
+
+def rope_caches_to_theirs(positions, d, theta):
+    """Our RoPE angles (``reference.qkv_proj.rope_tables``: cos, sin [T, d/2], half-split layout)
+    as NKI Library's cos_cache / sin_cache [1, T, d] (the half repeated: their RoPE reads the
+    first d/2 columns, [X1, X2] * cos + [-X2, X1] * sin)."""
+    from nki_kernels.reference.qkv_proj import rope_tables
+    cos, sin = rope_tables(positions, d, theta)
+    T = cos.shape[0]
+    return (np.concatenate([cos, cos], axis=1).reshape(1, T, d),
+            np.concatenate([sin, sin], axis=1).reshape(1, T, d))
+
+
+def qkv_from_theirs(out, T, nq, nkv, d):
+    """NKI Library's BSD output [1, T, (nq + 2 nkv) d] as our QKVOutput (q [nq, T, d],
+    k [nkv, T, d], v [nkv, T, d])."""
+    from nki_kernels.dense.qkv_proj import QKVOutput
+    y = np.asarray(out[0] if isinstance(out, (list, tuple)) else out).reshape(T, -1)
+    q = y[:, :nq * d].reshape(T, nq, d).transpose(1, 0, 2)
+    k = y[:, nq * d:(nq + nkv) * d].reshape(T, nkv, d).transpose(1, 0, 2)
+    v = y[:, (nq + nkv) * d:].reshape(T, nkv, d).transpose(1, 0, 2)
+    return QKVOutput(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                     None)
+
+
+def qkv_to_theirs_output(q, k, v):
+    """Inverse of qkv_from_theirs (tests: the round trip)."""
+    T = q.shape[1]
+    return np.concatenate([a.transpose(1, 0, 2).reshape(T, -1) for a in (q, k, v)],
+                          axis=1)[None]
+
+
+QKV_ROPE_THETA = 500000.0       # bench/defs/qkv_proj.py: Llama 3's theta
+
+
+def _theirs_qkv_proj(lib, case, inputs, lnc, variant="cte"):
+    """``cte``: their ``qkv`` with fused RMS norm and RoPE (fused RoPE exists in qkv_cte only, so
+    their dispatcher runs qkv_cte at every T). ``tkg``: decode (T <= 96) through qkv_tkg without
+    RoPE; RoPE is then applied to their q and k on the host (``reference.qkv_proj.apply_rope``)
+    and not charged to them."""
+    T, H, nq, nkv, d = (case.dims[k] for k in ("T", "H", "Hq", "Hkv", "d"))
+    if variant == "tkg" and T > 96:
+        raise NoEquivalent(f"qkv_tkg serves T <= 96 (their dispatcher's threshold); T = {T}")
+    m = load(lib, "core.qkv.qkv")
+    types = load(lib, "core.utils.common_types")
+    x, w, g, pos = inputs
+    kw = dict(output_layout=types.QKVOutputLayout.BSD, fused_norm_type=types.NormType.RMS_NORM,
+              gamma_norm_weights=np.asarray(g, np.float32).reshape(1, H), norm_eps=1e-6,
+              d_head=d, num_q_heads=nq, num_kv_heads=nkv)
+    args = (np.asarray(x).reshape(1, T, H), np.asarray(w))
+    if variant == "tkg":
+        from nki_kernels.reference.qkv_proj import apply_rope, rope_tables
+        cos, sin = rope_tables(pos, d, QKV_ROPE_THETA)
+
+        def to_ours(out):
+            r = qkv_from_theirs(out, T, nq, nkv, d)
+            q, k = (apply_rope(a.astype(np.float32), cos, sin, d).astype(r.v.dtype)
+                    for a in (r.q, r.k))
+            return r._replace(q=q, k=k)
+        return Launch.one("qkv (qkv_tkg: fused RMS norm; RoPE on the host, not timed)", m.qkv,
+                          args, kw, to_ours)
+    cos, sin = rope_caches_to_theirs(pos, d, QKV_ROPE_THETA)
+    kw.update(fused_rope=True, cos_cache=cos, sin_cache=sin)
+    return Launch.one("qkv (qkv_cte: fused RMS norm + RoPE)", m.qkv, args, kw,
+                      lambda out: qkv_from_theirs(out, T, nq, nkv, d))
+
+
+# --- flash_attention
+
+
+def _ours_flash_attention(case, lnc):
+    if lnc != 1:
+        raise NoEquivalent("our flash_attention runs on one NeuronCore (no LNC 2)")
+    return case.run
+
+
+def attention_to_theirs(q, k, v, scale):
+    """Our q [B, Hq, Sq, d], k / v [B, Hkv, Skv, d] as NKI Library's attention_cte operands (tp_q
+    True, tp_k False): q [B Hq, Sq, d] (times ``scale`` on the host when ``scale`` is not None;
+    their kernel takes scale = 1 with a sliding window), k [B Hkv, d, Skv], v [B Hkv, Skv, d].
+    Their GQA maps q batch b to kv batch b // (Hq / Hkv), which is our head grouping once B and
+    the heads are flattened."""
+    import ml_dtypes
+    B, Hq, Sq, d = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    qf = np.asarray(q).reshape(B * Hq, Sq, d)
+    if scale is not None:
+        qf = (qf.astype(np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
+    kf = np.ascontiguousarray(np.asarray(k).reshape(B * Hkv, Skv, d).transpose(0, 2, 1))
+    return qf, kf, np.asarray(v).reshape(B * Hkv, Skv, d)
+
+
+def attention_from_theirs(out, B, Hq):
+    """NKI Library's attention_cte output [B Hq, Sq, d] (tp_out False) as ours [B, Hq, Sq, d]."""
+    o = np.asarray(out[0] if isinstance(out, (list, tuple)) else out)
+    return o.reshape(B, Hq, o.shape[-2], o.shape[-1])
+
+
+def _theirs_flash_attention(lib, case, inputs, lnc, variant=""):
+    import math
+    m = load(lib, "core.attention.attention_cte")
+    q, k, v = inputs
+    B, Hq, _, d = q.shape
+    window = case.dims.get("window")
+    scale = 1.0 / math.sqrt(d)
+    # a sliding window needs scale = 1 (their docstring): q is scaled on the host instead (exact
+    # for d = 64 and 256, a power of two; one bf16 rounding of q otherwise)
+    qf, kf, vf = attention_to_theirs(q, k, v, scale if window else None)
+    kw = dict(scale=1.0 if window else scale, causal_mask=True, tp_q=True, tp_k=False,
+              tp_out=False)
+    if window:
+        kw["sliding_window"] = int(window)
+    return Launch.one("attention_cte" + (f" (sliding window {window})" if window else ""),
+                      m.attention_cte, (qf, kf, vf), kw,
+                      lambda out: attention_from_theirs(out, B, Hq))
+
+
+PAIRS = {
+    "rmsnorm_quant": Pair("rmsnorm_quant", "core/rmsnorm", (1, 2), _ours_rmsnorm_quant,
+                          _theirs_rmsnorm_quant),
+    "swiglu_mlp": Pair("swiglu_mlp", "core/mlp", (1,), _ours_swiglu_mlp, _theirs_swiglu_mlp),
+    "qkv_proj": Pair("qkv_proj", "core/qkv", (1,), _ours_qkv_proj, _theirs_qkv_proj,
+                     ("cte", "tkg")),
+    "flash_attention": Pair("flash_attention", "core/attention", (1,), _ours_flash_attention,
+                            _theirs_flash_attention),
+}
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+def select(ops=None, tier: str = harness.DEFAULT_TIER, target: str = "trn3",
+           shape: str | None = None):
+    """[(pair, case)] for the paired ``ops`` (all when None) in ``tier``."""
+    wanted = list(ops) if ops else list(PAIRS)
+    bad = [o for o in wanted if o not in PAIRS]
+    if bad:
+        raise harness.BenchError(f"--vs-nkilib: no NKI Library pair for op {bad[0]!r}; paired "
+                                 f"ops: {', '.join(PAIRS)}")
+    out = []
+    for op in wanted:
+        out += [(PAIRS[op], c) for c in harness.select([op], tier, target, shape)]
+    return out
+
+
+def _modeled_theirs(launch: Launch, target: str, lnc: int) -> dict:
+    """cost.estimate of NKI Library's kernel(s), the call run_modeled makes for ours (NKI 0.3);
+    stages' times add up, less the launch overhead of every stage after the first."""
+    from nki_kernels.emulator import target as emulated_target
+    from nki_kernels.emulator.cost import estimate
+    total, busy, n_ins, out = 0.0, {}, 0, None
+    for k, st in enumerate(launch.stages):
+        args, kwargs = st.make(out)
+        with _nki03(True), emulated_target(target):
+            rep = estimate(st.kernel, *args, target=target, lnc=lnc, **kwargs)
+        total += float(rep.total_ns) - (float(rep.launch_ns) * rep.n_launches if k else 0.0)
+        for e, v in rep.engine_busy_ns.items():
+            busy[e] = busy.get(e, 0.0) + float(v)
+        n_ins += rep.n_instructions
+        out = rep.outputs
+    engine = max(busy, key=busy.get) if any(busy.values()) else None
+    return {"time_ns": total, "engine_busy_ns": busy, "binding_engine": engine,
+            "n_instructions": n_ins, "outputs": out}
+
+
+def _measured_theirs(launch: Launch, case, lnc, **kw) -> tuple[dict, object]:
+    """Device time of NKI Library's kernel(s) (bench/device.py; stages' times add up) and the
+    last output; written for a trn instance with the real nki, never run here."""
+    total, out, res = 0.0, None, {}
+    for st in launch.stages:
+        args, kwargs = st.make(out)
+        k = st.kernel[lnc] if lnc != 1 else st.kernel
+        fake = dataclasses.replace(case, run=lambda *_a, k=k, a=args, kw_=kwargs: k(*a, **kw_))
+        res = harness.run_measured(fake, (), **kw)
+        total += res["time_ns"] or 0.0
+        out = k(*args, **kwargs)
+    return {**res, "time_ns": total}, out
+
+
+def _side(case_l, target, source, inputs, run, *, sha, date) -> dict:
+    """Run one side; its harness row plus ``check`` and ``wall_s``; no time unless it checks."""
+    t0 = time.perf_counter()
+    out = None
+    try:
+        res, out = run()
+        try:
+            check = harness.check_output(case_l, inputs, out)
+        except AssertionError as e:
+            raise harness.WrongResult(f"output differs from the reference: {_first_line(e)}") \
+                from None
+        row = harness.make_row(case_l, target, source, res, sha=sha, date=date)
+        row["check"] = check
+    except NoEquivalent as e:
+        row = harness.make_row(case_l, target, source, None, sha=sha, date=date,
+                               error=f"no equivalent: {e}")
+        row["check"] = "not run"
+    except Unavailable as e:
+        row = harness.make_row(case_l, target, source, None, sha=sha, date=date,
+                               error=f"unavailable: {e}")
+        row["check"] = "not run"
+    except harness.WrongResult as e:
+        row = harness.make_row(case_l, target, source, None, sha=sha, date=date,
+                               error=f"wrong result: {e}")
+        row["check"] = "failed"
+    except Exception as e:  # noqa: BLE001 - a refusal (kernel_assert, shape check) is a reason
+        row = harness.make_row(case_l, target, source, None, sha=sha, date=date,
+                               error=f"refused or failed: {type(e).__name__}: {_first_line(e)}")
+        row["check"] = "not run"
+    del out
+    row["wall_s"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def pair_row(pair: Pair, case, lnc: int, ours: dict, theirs: dict, lib: NkiLib | None,
+             launch_name: str | None = None) -> dict:
+    """One output line from the two sides' harness rows."""
+    def side(r):
+        return {"time_us": r.get("time_us"), "pct_roof": r.get("pct_roof"),
+                "tflops": r.get("tflops"), "gbps": r.get("gbps"),
+                "model_bound": r.get("model_bound"), "check": r.get("check"),
+                "error": r.get("error"), "wall_s": r.get("wall_s")}
+    o, t = side(ours), side(theirs)
+    ratio = None
+    if o["time_us"] and t["time_us"] and not o["error"] and not t["error"]:
+        ratio = t["time_us"] / o["time_us"]
+    return {
+        "kind": "vs_nkilib", "op": case.op, "nkilib_family": pair.family,
+        "nkilib_kernel": launch_name, "shape": case.shape, "dims": dict(case.dims),
+        "dtype": case.dtype, "target": ours["target"], "lnc": lnc, "source": ours["source"],
+        "roof": ours.get("roof") or theirs.get("roof"), "ours": o, "nkilib": t,
+        "ratio_theirs_over_ours": ratio,
+        "nkilib_path": str(lib.path) if lib else None,
+        "nkilib_commit": lib.commit if lib else None,
+        "git_sha": ours["git_sha"], "date": ours["date"],
+    }
+
+
+def run(lib: NkiLib, ops=None, tier: str = harness.DEFAULT_TIER, target: str = "trn3", *,
+        shape: str | None = None, seed: int = 0, measured: bool = False, lncs=(1, 2),
+        progress: bool = True, on_row=None, warmup: int = 5, repeats: int = 20) -> list[dict]:
+    """Run every paired case at each LNC of ``lncs`` both sides support; the rows (see pair_row)."""
+    from nki_kernels.bench import roofline
+    roofline._target(target)
+    if not measured and harness.backend_name() != "emulator":
+        raise harness.BenchError("--vs-nkilib: modeled time needs the emulator backend; run with "
+                                 "--modeled, or pass --measured on a device")
+    selected = [(p, c, n) for p, c in select(ops, tier, target, shape) for n in p.lncs
+                if n in lncs]
+    _emulated[0] = not measured
+    sha, date = harness.git_sha(), harness.now_iso()
+    rows = []
+    for i, (pair, case, lnc) in enumerate(selected):
+        label = f"{case.op} {case.shape} {case.dtype} LNC={lnc}"
+        if progress:
+            print(f"[{i + 1}/{len(selected)}] {label} ...", file=sys.stderr, flush=True)
+        for row in run_one(lib, pair, case, lnc, target, measured=measured, seed=seed, sha=sha,
+                           date=date, warmup=warmup, repeats=repeats):
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+            if progress:
+                print(f"    ours {_cell(row['ours'])} ({row['ours']['wall_s']} s); NKI Library "
+                      f"{row['nkilib_kernel']}: {_cell(row['nkilib'])} "
+                      f"({row['nkilib']['wall_s']} s)", file=sys.stderr, flush=True)
+    return rows
+
+
+def run_one(lib, pair: Pair, case, lnc: int, target: str, *, measured: bool = False,
+            seed: int = 0, sha: str = "unknown", date: str = "", warmup: int = 5,
+            repeats: int = 20) -> list[dict]:
+    """Both sides of one (case, LNC) on the same inputs: one row per NKI Library variant."""
+    source = "measured" if measured else "modeled"
+    inputs = case.make_inputs(harness.case_rng(case, seed))
+    case_l = dataclasses.replace(case, lnc=lnc)
+
+    def ours_run():
+        c = dataclasses.replace(case_l, run=pair.ours(case, lnc))
+        if measured:
+            res = harness.run_measured(c, inputs, warmup=warmup, repeats=repeats)
+            return res, c.run(*inputs)
+        res = harness.run_modeled(c, target, inputs)
+        return res, res.pop("outputs", None)
+
+    ours = _side(case_l, target, source, inputs, ours_run, sha=sha, date=date)
+    rows = []
+    for variant in pair.variants:
+        got = {}
+
+        def theirs_run(variant=variant, got=got):
+            launch = pair.theirs(lib, case, inputs, lnc, variant)
+            got["name"] = launch.name
+            if measured:
+                res, out = _measured_theirs(launch, case_l, lnc, warmup=warmup, repeats=repeats)
+                return res, launch.to_ours(out)
+            res = _modeled_theirs(launch, target, lnc)
+            return res, launch.to_ours(res.pop("outputs"))
+
+        theirs = _side(case_l, target, source, inputs, theirs_run, sha=sha, date=date)
+        name = got.get("name") or (f"{pair.family} ({variant})" if variant else None)
+        rows.append(pair_row(pair, case, lnc, ours, theirs, lib, name))
+    return rows
+
+
+# ------------------------------------------------------------------------------------ output
+
+
+def _cell(s: dict) -> str:
+    if s.get("error") or s.get("time_us") is None:
+        return "-"
+    return f"{s['time_us']:.2f} us"
+
+
+def _f(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def _check_cell(s: dict) -> str:
+    if s.get("error"):
+        kind = s["error"].split(":")[0]
+        return {"no equivalent": "n/a", "unavailable": "not run", "wrong result": "✗ failed",
+                "refused or failed": "refused"}.get(kind, "error")
+    return "✓ passed" if s.get("check") == "passed" else (s.get("check") or "-")
+
+
+def markdown_table(rows, *, tier: str | None = None) -> str:
+    """The markdown report: header (targets, date, shas, source), one table, then the reasons."""
+    if not rows:
+        return "_no --vs-nkilib rows_\n"
+    targets = sorted({r["target"] for r in rows})
+    sources = sorted({r["source"] for r in rows})
+    shas = sorted({r["git_sha"] for r in rows})
+    libs = sorted({f"{r['nkilib_path']} (commit {r['nkilib_commit']})" for r in rows})
+    dates = sorted({r["date"][:10] for r in rows})
+    what = ("modeled: the emulator's cost model, the same cost.estimate call for both kernels"
+            if sources == ["modeled"] else "measured on a Neuron device")
+    lines = [
+        f"# nki-kernels beside NKI Library: {', '.join(targets)}"
+        + (f", tier {tier}" if tier else ""),
+        "",
+        f"{' to '.join(dict.fromkeys([dates[0], dates[-1]]))}, nki-kernels git {', '.join(shas)}; "
+        f"NKI Library {', '.join(libs)}. Times {' / '.join(sources)} ({what}). % of roof: the "
+        "bench's roof for the problem (same FLOPs, bytes and LNC for both). ratio = NKI "
+        "Library / ours (> 1: ours is faster). Both outputs checked against our NumPy reference "
+        "with the bench's rule; a side that fails, refuses or has no equivalent posts no time.",
+        "",
+        "| op | NKI Library kernel | problem | dtype | target | LNC | ours (us) | NKI Library "
+        "(us) | ours % roof | NKI Library % roof | ratio | our check | their check | "
+        "wall (s) ours / theirs |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    notes = []
+    for r in rows:
+        o, t = r["ours"], r["nkilib"]
+        kern = r.get("nkilib_kernel") or r["nkilib_family"]
+        ratio = _f(r["ratio_theirs_over_ours"], ".2f")
+        lines.append(
+            f"| {r['op']} | {kern} | {r['shape']} | {r['dtype']} | {r['target']} | {r['lnc']} | "
+            f"{_f(o['time_us'] if not o['error'] else None, '.2f')} | "
+            f"{_f(t['time_us'] if not t['error'] else None, '.2f')} | "
+            f"{_f(o['pct_roof'] if not o['error'] else None, '.1f')} | "
+            f"{_f(t['pct_roof'] if not t['error'] else None, '.1f')} | {ratio} | "
+            f"{_check_cell(o)} | {_check_cell(t)} | {_f(o['wall_s'], '.1f')} / "
+            f"{_f(t['wall_s'], '.1f')} |")
+        for who, s in (("ours", o), ("NKI Library", t)):
+            if s.get("error"):
+                notes.append(f"- {r['op']} {r['shape']} {r['dtype']} {r['target']} LNC={r['lnc']}, "
+                             f"{who}: {s['error']}")
+    if notes:
+        lines += ["", "Why a cell has no time:", *dict.fromkeys(notes)]
+    return "\n".join(lines) + "\n"
+
+
+def write(rows, out_dir=None, *, json_path=None, tier=None, subset=False,
+          append_json=True) -> dict:
+    """Append the JSON lines (``vs_nkilib.jsonl``) and write the markdown table
+    ``vs_nkilib_<targets>_<tier>[_subset].md`` under ``out_dir`` (default bench/results/local)."""
+    out = Path(out_dir) if out_dir is not None else harness.default_out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    jpath = Path(json_path or out / "vs_nkilib.jsonl")
+    if append_json:
+        harness.write_jsonl(rows, jpath)
+    targets = sorted({r["target"] for r in rows}) or ["trn3"]
+    tag = "_".join(targets) + (f"_{tier}" if tier else "") + ("_subset" if subset else "")
+    md = out / f"vs_nkilib_{tag}.md"
+    md.write_text(markdown_table(rows, tier=tier))
+    return {"json": jpath, "markdown": md}
+
+
+def main(args) -> int:
+    """``nki-kernels bench --vs-nkilib PATH`` (args: the bench parser's namespace)."""
+    try:
+        lib = find_nkilib(args.vs_nkilib)
+    except harness.BenchError as e:
+        print(f"nki-kernels bench: {e}", file=sys.stderr)
+        return 2
+    ops = None
+    if args.op:
+        ops = [n.strip() for v in args.op for n in v.split(",") if n.strip()]
+    tier = args.tier or harness.DEFAULT_TIER
+    out_dir = args.out
+    json_path = args.json or (out_dir or harness.default_out_dir()) / "vs_nkilib.jsonl"
+    if args.list:
+        try:
+            for p, c in select(ops, tier, args.target, args.shape):
+                print(f"{c.op:<16} {p.family:<14} {c.shape:<34} {c.dtype:<14} LNC "
+                      f"{','.join(map(str, p.lncs))}")
+        except harness.BenchError as e:
+            print(f"nki-kernels bench: {e}", file=sys.stderr)
+            return 2
+        return 0
+    try:
+        rows = run(lib, ops, tier, args.target, shape=args.shape, seed=args.seed,
+                   measured=bool(args.measured), progress=not args.quiet,
+                   warmup=args.warmup, repeats=args.repeats,
+                   on_row=lambda r: harness.write_jsonl([r], json_path))
+    except harness.BenchError as e:
+        print(f"nki-kernels bench: {e}", file=sys.stderr)
+        return 2
+    if not rows:
+        print(f"nki-kernels bench --vs-nkilib: no paired cases for ops={ops or 'all'} tier={tier}"
+              + (f" shape~{args.shape!r}" if args.shape else ""), file=sys.stderr)
+        return 2
+    paths = write(rows, out_dir, json_path=json_path, tier=tier,
+                  subset=bool(ops or args.shape), append_json=False)
+    if not args.quiet:
+        print(markdown_table(rows, tier=tier))
+    print(f"wrote {paths['json']} (appended), {paths['markdown']}", file=sys.stderr)
+    ours_failed = any(r["ours"]["error"] and not r["ours"]["error"].startswith("no equivalent")
+                      for r in rows)
+    return 1 if ours_failed else 0
+
+
+def rows_from_jsonl(path) -> list[dict]:
+    """The --vs-nkilib rows of a JSON-lines file (others skipped)."""
+    return [r for r in (json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip())
+            if r.get("kind") == "vs_nkilib"]

@@ -1,0 +1,297 @@
+"""``nki-kernels bench --vs-nkilib PATH`` (bench/vs_nkilib.py): our kernels beside NKI Library's.
+
+The default tests need no NKI Library checkout: PATH errors, the host layout adapters (ours ->
+theirs -> ours), the row / table / JSON format, and that a side whose output fails the check
+(or that has no equivalent, or does not import) posts no time. ``test_real_pairs`` runs real
+pairs against a checkout named by ``NKILIB_PATH`` (slow; skipped otherwise).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nki_kernels import cli
+from nki_kernels.bench import harness
+from nki_kernels.bench import vs_nkilib as V
+from nki_kernels.bench.defs import BenchCase
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+# ------------------------------------------------------------------------------ PATH
+
+
+def _checkout(tmp_path):
+    core = tmp_path / "nki-library" / "src" / "nkilib_src" / "nkilib" / "core"
+    core.mkdir(parents=True)
+    for d in (core.parent.parent, core.parent, core):
+        (d / "__init__.py").write_text("")
+    return tmp_path / "nki-library"
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "empty"])
+def test_bad_path_is_a_clear_error(tmp_path, kind):
+    p = tmp_path / "x"
+    if kind == "file":
+        p.write_text("")
+    elif kind == "empty":
+        p.mkdir()
+    with pytest.raises(harness.BenchError) as e:
+        V.find_nkilib(p)
+    msg = str(e.value)
+    assert "--vs-nkilib PATH" in msg and str(p) in msg
+    assert "src/nkilib_src/nkilib/core" in msg and "expected a checkout" in msg
+
+
+def test_cli_bad_path_exits_2(tmp_path, capsys):
+    rc = cli.main(["bench", "--vs-nkilib", str(tmp_path / "nope"), "--quiet"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--vs-nkilib PATH" in err and "nope" in err
+
+
+def test_checkout_and_installed_package_are_found(tmp_path):
+    lib = V.find_nkilib(_checkout(tmp_path))
+    assert lib.kind == "checkout" and lib.prefix == "nkilib_src.nkilib"
+    assert lib.sys_path == (tmp_path / "nki-library" / "src").resolve()
+    pkg = tmp_path / "site" / "nkilib"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    inst = V.find_nkilib(pkg)
+    assert inst.kind == "installed" and inst.prefix == "nkilib"
+
+
+def test_unparsable_module_is_unavailable_not_a_crash(tmp_path, monkeypatch):
+    root = _checkout(tmp_path)
+    bad = root / "src" / "nkilib_src" / "nkilib" / "core" / "broken.py"
+    bad.write_text("def f(:\n")
+    lib = V.find_nkilib(root)
+    monkeypatch.setattr(V, "_standins", [True])          # no emulator install in this process
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    try:
+        with pytest.raises(V.Unavailable, match="does not parse.*own bug"):
+            V.load(lib, "core.broken")
+        with pytest.raises(V.Unavailable, match="failed to import"):
+            V.load(lib, "core.absent")
+    finally:                        # the toy package must not shadow a real one later
+        for name in set(sys.modules) - before:
+            if name.startswith("nkilib_src"):
+                del sys.modules[name]
+
+
+def test_unknown_op_is_refused():
+    with pytest.raises(harness.BenchError, match="no NKI Library pair for op 'matmul'"):
+        V.select(["matmul"], "default", "trn2")
+
+
+# ------------------------------------------------------------------------------ adapters
+
+
+def test_rmsnorm_adapters_round_trip():
+    rng = np.random.default_rng(0)
+    T, H = 5, 256
+    q = rng.standard_normal((T, H)).astype(ml_dtypes.float8_e4m3)
+    s = rng.uniform(0.01, 1.0, (T, 1)).astype(np.float32)
+    theirs = V.rmsnorm_to_ours_layout(q, s)
+    assert theirs.shape == (1, T, H + 4) and theirs.dtype == q.dtype
+    q2, s2 = V.rmsnorm_from_theirs(theirs, T, H)
+    np.testing.assert_array_equal(q2.view(np.uint8), q.view(np.uint8))
+    np.testing.assert_array_equal(s2, s)
+    x = rng.standard_normal((T, H)).astype(BF16)
+    g = rng.standard_normal(H).astype(BF16)
+    h1, g1 = V.rmsnorm_to_theirs(x, g, 1)
+    h2, g2 = V.rmsnorm_to_theirs(x, g, 2)
+    assert h1.shape == (1, T, H) and g1.shape == (H,) and g2.shape == (1, H)
+    np.testing.assert_array_equal(h2.reshape(T, H).view(np.uint16), x.view(np.uint16))
+
+
+def test_mlp_adapters_untile_and_scales():
+    from nki_kernels.dense.swiglu_mlp import tile_weight
+    rng = np.random.default_rng(1)
+    T, H, I = 3, 256, 384
+    x = rng.standard_normal((T, H)).astype(BF16)
+    ws = [rng.standard_normal(sh).astype(ml_dtypes.float8_e4m3) for sh in ((H, I), (H, I), (I, H))]
+    sc = [rng.uniform(0.1, 1, n).astype(np.float32) for n in (I, I, H)]
+    inputs = (x, np.ones(H, np.float32), *[tile_weight(w) for w in ws], *sc)
+    got_w, got_s = V.mlp_weights_to_theirs(inputs, I)
+    for a, b in zip(got_w, ws):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    for a, b in zip(got_s, sc):
+        assert a.shape == (128, b.size)
+        np.testing.assert_array_equal(a, np.broadcast_to(b, a.shape))
+    out = rng.standard_normal((1, T, H)).astype(BF16)
+    y = V.mlp_from_theirs([out], x)
+    np.testing.assert_allclose(y.astype(np.float32), (out[0].astype(np.float32)
+                                                      + x.astype(np.float32)), rtol=1e-2)
+
+
+def test_qkv_adapters_round_trip():
+    from nki_kernels.reference.qkv_proj import rope_tables
+    rng = np.random.default_rng(2)
+    T, nq, nkv, d = 4, 4, 2, 8
+    q, k, v = (rng.standard_normal((n, T, d)).astype(np.float32) for n in (nq, nkv, nkv))
+    r = V.qkv_from_theirs(V.qkv_to_theirs_output(q, k, v), T, nq, nkv, d)
+    for a, b in ((r.q, q), (r.k, k), (r.v, v)):
+        np.testing.assert_array_equal(a, b)
+    cos, sin = V.rope_caches_to_theirs(np.arange(T), d, 500000.0)
+    c0, s0 = rope_tables(np.arange(T), d, 500000.0)
+    assert cos.shape == (1, T, d)
+    np.testing.assert_array_equal(cos[0, :, :d // 2], c0)
+    np.testing.assert_array_equal(sin[0, :, d // 2:], s0)
+
+
+def test_attention_adapters_layout_and_gqa():
+    rng = np.random.default_rng(3)
+    B, Hq, Hkv, S, d = 2, 4, 2, 6, 8
+    q = rng.standard_normal((B, Hq, S, d)).astype(BF16)
+    k = rng.standard_normal((B, Hkv, S, d)).astype(BF16)
+    v = rng.standard_normal((B, Hkv, S, d)).astype(BF16)
+    qf, kf, vf = V.attention_to_theirs(q, k, v, None)
+    assert qf.shape == (B * Hq, S, d) and kf.shape == (B * Hkv, d, S) and vf.shape == (B * Hkv, S, d)
+    g = Hq // Hkv
+    for b in range(B):
+        for h in range(Hq):
+            kb = (b * Hq + h) // g             # their GQA mapping of the flattened q batch
+            np.testing.assert_array_equal(kf[kb].T.view(np.uint16), k[b, h // g].view(np.uint16))
+            np.testing.assert_array_equal(vf[kb].view(np.uint16), v[b, h // g].view(np.uint16))
+    np.testing.assert_array_equal(V.attention_from_theirs(qf, B, Hq).view(np.uint16),
+                                  q.view(np.uint16))
+    q2, _, _ = V.attention_to_theirs(q, k, v, 0.25)   # a power of two: exact in bf16
+    np.testing.assert_array_equal(q2.astype(np.float32), qf.astype(np.float32) * 0.25)
+
+
+# ------------------------------------------------------------------------------ rows
+
+
+def _toy_case(check):
+    return BenchCase(op="rmsnorm_quant", shape="toy T=4", dims={"T": 4, "H": 128},
+                     dtype="bf16->fp8", make_inputs=lambda rng: (np.ones((4, 128), np.float32),),
+                     run=lambda x: x, flops=7 * 4 * 128, bytes=4 * 128 * 3, check=check)
+
+
+def _fake_pair(theirs_out, *, their_error=None, variants=("",)):
+    def ours(case, lnc):
+        return case.run
+
+    def theirs(lib, case, inputs, lnc, variant=""):
+        if their_error is not None:
+            raise their_error
+        return V.Launch.one("fake_kernel", None, (), {}, lambda out: out)
+    return V.Pair("rmsnorm_quant", "core/rmsnorm", (1, 2), ours, theirs, variants), theirs_out
+
+
+def _rows(monkeypatch, pair, theirs_out, check, lnc=1):
+    def ours_modeled(case, target, inputs):
+        return {"time_ns": 2000.0, "engine_busy_ns": {"vector": 1500.0},
+                "binding_engine": "vector", "n_instructions": 9, "outputs": inputs[0]}
+
+    def theirs_modeled(launch, target, lnc):
+        return {"time_ns": 5000.0, "engine_busy_ns": {}, "binding_engine": "dma",
+                "n_instructions": 3, "outputs": theirs_out}
+    monkeypatch.setattr(harness, "run_modeled", ours_modeled)
+    monkeypatch.setattr(V, "_modeled_theirs", theirs_modeled)
+    return V.run_one(None, pair, _toy_case(check), lnc, "trn2", sha="abc", date="2026-11-25T00:00")
+
+
+def _check(inputs, out):
+    np.testing.assert_allclose(out, inputs[0], err_msg="toy check")
+
+
+def test_row_format_both_pass(monkeypatch, tmp_path):
+    pair, good = _fake_pair(np.ones((4, 128), np.float32))
+    (row,) = _rows(monkeypatch, pair, good, _check, lnc=2)
+    assert row["kind"] == "vs_nkilib" and row["lnc"] == 2 and row["source"] == "modeled"
+    assert row["ours"]["time_us"] == pytest.approx(2.0)
+    assert row["nkilib"]["time_us"] == pytest.approx(5.0)
+    assert row["ratio_theirs_over_ours"] == pytest.approx(2.5)
+    assert row["ours"]["check"] == row["nkilib"]["check"] == "passed"
+    assert row["ours"]["pct_roof"] > row["nkilib"]["pct_roof"] > 0
+    md = V.markdown_table([row], tier="default")
+    assert "| rmsnorm_quant | fake_kernel | toy T=4 | bf16->fp8 | trn2 | 2 | 2.00 | 5.00 |" in md
+    assert "| 2.50 | ✓ passed | ✓ passed |" in md and "modeled" in md
+    paths = V.write([row], tmp_path, tier="default")
+    (back,) = V.rows_from_jsonl(paths["json"])
+    assert back["ratio_theirs_over_ours"] == pytest.approx(2.5)
+    assert paths["markdown"].name == "vs_nkilib_trn2_default.md"
+    assert json.loads(paths["json"].read_text().splitlines()[0])["git_sha"] == "abc"
+
+
+def test_failing_nkilib_check_posts_no_time(monkeypatch):
+    pair, bad = _fake_pair(np.full((4, 128), 3.0, np.float32))
+    (row,) = _rows(monkeypatch, pair, bad, _check)
+    assert row["ours"]["time_us"] == pytest.approx(2.0)
+    assert row["nkilib"]["time_us"] is None and row["nkilib"]["pct_roof"] is None
+    assert row["nkilib"]["check"] == "failed"
+    assert row["nkilib"]["error"].startswith("wrong result: output differs from the reference")
+    assert row["ratio_theirs_over_ours"] is None
+    md = V.markdown_table([row])
+    line = next(ln for ln in md.splitlines() if ln.startswith("| rmsnorm_quant"))
+    assert "| 2.00 | - |" in line and "✗ failed" in line and "5.00" not in line
+    assert "NKI Library: wrong result" in md
+
+
+@pytest.mark.parametrize("exc, cell, prefix", [
+    (V.NoEquivalent("no MXFP8 output"), "n/a", "no equivalent: no MXFP8 output"),
+    (V.Unavailable("mlp.py does not parse"), "not run", "unavailable: mlp.py does not parse"),
+    (AssertionError("head_dim > 128"), "refused", "refused or failed: AssertionError"),
+])
+def test_no_equivalent_unavailable_refused_post_no_time(monkeypatch, exc, cell, prefix):
+    pair, out = _fake_pair(None, their_error=exc)
+    (row,) = _rows(monkeypatch, pair, out, _check)
+    assert row["nkilib"]["time_us"] is None and row["ratio_theirs_over_ours"] is None
+    assert row["nkilib"]["error"].startswith(prefix)
+    assert row["ours"]["check"] == "passed"
+    assert f"| {cell} |" in V.markdown_table([row])
+
+
+def test_variants_share_one_run_of_ours(monkeypatch):
+    pair, good = _fake_pair(np.ones((4, 128), np.float32), variants=("cte", "tkg"))
+    calls = []
+    orig = V._side
+
+    def counting(case_l, target, source, inputs, run, **kw):
+        calls.append(run.__name__)
+        return orig(case_l, target, source, inputs, run, **kw)
+    monkeypatch.setattr(V, "_side", counting)
+    rows = _rows(monkeypatch, pair, good, _check)
+    assert len(rows) == 2 and calls.count("ours_run") == 1
+    assert all(r["ratio_theirs_over_ours"] == pytest.approx(2.5) for r in rows)
+
+
+def test_pairs_select_default_tier_without_a_checkout():
+    sel = V.select(None, "default", "trn3")
+    ops = {c.op for _, c in sel}
+    assert ops == {"rmsnorm_quant", "swiglu_mlp", "qkv_proj", "flash_attention"}
+    assert all(p.op == c.op for p, c in sel)
+    assert V.select(["rmsnorm_quant"], "default", "trn3", shape="llama")[0][1].shape.startswith(
+        "llama-3-8b")
+
+
+# ------------------------------------------------------------------------------ real pairs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("NKILIB_PATH"), reason="set NKILIB_PATH to a checkout of "
+                    "github.com/aws-neuron/nki-library")
+@pytest.mark.parametrize("op", ["rmsnorm_quant", "qkv_proj"])
+def test_real_pairs(op):
+    lib = V.find_nkilib(os.environ["NKILIB_PATH"])
+    rows = V.run(lib, [op], "default", "trn2", progress=False, lncs=(1,))
+    assert rows
+    for r in rows:
+        if r["dtype"].endswith("mxfp8"):
+            assert r["nkilib"]["error"].startswith("no equivalent")
+            continue
+        assert r["ours"]["check"] == "passed", r["ours"]
+        if r["nkilib"]["error"]:
+            assert r["nkilib"]["time_us"] is None
+        else:
+            assert r["nkilib"]["check"] == "passed"
+            assert r["ratio_theirs_over_ours"] == pytest.approx(
+                r["nkilib"]["time_us"] / r["ours"]["time_us"])
