@@ -482,12 +482,17 @@ def select(ops=None, tier: str = harness.DEFAULT_TIER, target: str = "trn3",
 def _modeled_theirs(launch: Launch, target: str, lnc: int) -> dict:
     """cost.estimate of NKI Library's kernel(s), the call run_modeled makes for ours (NKI 0.3);
     stages' times add up, less the launch overhead of every stage after the first."""
+    import io
+
     from nki_kernels.emulator import target as emulated_target
     from nki_kernels.emulator.cost import estimate
     total, busy, n_ins, out = 0.0, {}, 0, None
+    log = io.StringIO()
     for k, st in enumerate(launch.stages):
         args, kwargs = st.make(out)
-        with _nki03(True), emulated_target(target):
+        # their kernels print [INFO] / [WARN] lines (SBUF manager, untested-size warnings) to
+        # stdout: kept off the table, the warnings go into the row
+        with _nki03(True), emulated_target(target), contextlib.redirect_stdout(log):
             rep = estimate(st.kernel, *args, target=target, lnc=lnc, **kwargs)
         total += float(rep.total_ns) - (float(rep.launch_ns) * rep.n_launches if k else 0.0)
         for e, v in rep.engine_busy_ns.items():
@@ -495,8 +500,9 @@ def _modeled_theirs(launch: Launch, target: str, lnc: int) -> dict:
         n_ins += rep.n_instructions
         out = rep.outputs
     engine = max(busy, key=busy.get) if any(busy.values()) else None
+    warns = [ln.strip() for ln in log.getvalue().splitlines() if "WARN" in ln]
     return {"time_ns": total, "engine_busy_ns": busy, "binding_engine": engine,
-            "n_instructions": n_ins, "outputs": out}
+            "n_instructions": n_ins, "outputs": out, "notes": list(dict.fromkeys(warns)) or None}
 
 
 def _measured_theirs(launch: Launch, case, lnc, **kw) -> tuple[dict, object]:
@@ -554,7 +560,7 @@ def pair_row(pair: Pair, case, lnc: int, ours: dict, theirs: dict, lib: NkiLib |
         return {"time_us": r.get("time_us"), "pct_roof": r.get("pct_roof"),
                 "tflops": r.get("tflops"), "gbps": r.get("gbps"),
                 "model_bound": r.get("model_bound"), "check": r.get("check"),
-                "error": r.get("error"), "wall_s": r.get("wall_s")}
+                "error": r.get("error"), "wall_s": r.get("wall_s"), "notes": r.get("notes")}
     o, t = side(ours), side(theirs)
     ratio = None
     if o["time_us"] and t["time_us"] and not o["error"] and not t["error"]:
@@ -596,7 +602,7 @@ def run(lib: NkiLib, ops=None, tier: str = harness.DEFAULT_TIER, target: str = "
                 on_row(row)
             if progress:
                 print(f"    ours {_cell(row['ours'])} ({row['ours']['wall_s']} s); NKI Library "
-                      f"{row['nkilib_kernel']}: {_cell(row['nkilib'])} "
+                      f"{row['nkilib_kernel'] or row['nkilib_family']}: {_cell(row['nkilib'])} "
                       f"({row['nkilib']['wall_s']} s)", file=sys.stderr, flush=True)
     return rows
 
