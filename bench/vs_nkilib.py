@@ -53,6 +53,11 @@ class NoEquivalent(Exception):
     """NKI Library (or ours) has no configuration for this problem: the side posts no time."""
 
 
+class OtherRegime(NoEquivalent):
+    """This variant of NKI Library's serves another regime (e.g. qkv_tkg at prefill T): the row
+    is left out when the pair has another variant for the problem."""
+
+
 class Unavailable(Exception):
     """NKI Library's kernel cannot be imported from PATH (its own bug, or a missing file)."""
 
@@ -376,7 +381,7 @@ def _theirs_qkv_proj(lib, case, inputs, lnc, variant="cte"):
     and not charged to them."""
     T, H, nq, nkv, d = (case.dims[k] for k in ("T", "H", "Hq", "Hkv", "d"))
     if variant == "tkg" and T > 96:
-        raise NoEquivalent(f"qkv_tkg serves T <= 96 (their dispatcher's threshold); T = {T}")
+        raise OtherRegime(f"qkv_tkg serves T <= 96 (their dispatcher's threshold); T = {T}")
     m = load(lib, "core.qkv.qkv")
     types = load(lib, "core.utils.common_types")
     x, w, g, pos = inputs
@@ -629,7 +634,11 @@ def run_one(lib, pair: Pair, case, lnc: int, target: str, *, measured: bool = Fa
         got = {}
 
         def theirs_run(variant=variant, got=got):
-            launch = pair.theirs(lib, case, inputs, lnc, variant)
+            try:
+                launch = pair.theirs(lib, case, inputs, lnc, variant)
+            except OtherRegime:
+                got["other_regime"] = True
+                raise
             got["name"] = launch.name
             if measured:
                 res, out = _measured_theirs(launch, case_l, lnc, warmup=warmup, repeats=repeats)
@@ -639,8 +648,13 @@ def run_one(lib, pair: Pair, case, lnc: int, target: str, *, measured: bool = Fa
 
         theirs = _side(case_l, target, source, inputs, theirs_run, sha=sha, date=date)
         name = got.get("name") or (f"{pair.family} ({variant})" if variant else None)
-        rows.append(pair_row(pair, case, lnc, ours, theirs, lib, name))
-    return rows
+        row = pair_row(pair, case, lnc, ours, theirs, lib, name)
+        row["_other_regime"] = bool(got.get("other_regime"))
+        rows.append(row)
+    kept = [r for r in rows if not r["_other_regime"]] or rows[:1]
+    for r in rows:
+        del r["_other_regime"]
+    return kept
 
 
 # ------------------------------------------------------------------------------------ output

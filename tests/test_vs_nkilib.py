@@ -295,3 +295,14 @@ def test_real_pairs(op):
             assert r["nkilib"]["check"] == "passed"
             assert r["ratio_theirs_over_ours"] == pytest.approx(
                 r["nkilib"]["time_us"] / r["ours"]["time_us"])
+
+
+def test_other_regime_variant_row_is_left_out(monkeypatch):
+    def theirs(lib, case, inputs, lnc, variant=""):
+        if variant == "tkg":
+            raise V.OtherRegime("qkv_tkg serves T <= 96")
+        return V.Launch.one("cte_kernel", None, (), {}, lambda out: out)
+    pair = V.Pair("rmsnorm_quant", "core/x", (1,), lambda c, n: c.run, theirs, ("cte", "tkg"))
+    rows = _rows(monkeypatch, pair, np.ones((4, 128), np.float32), _check)
+    assert [r["nkilib_kernel"] for r in rows] == ["cte_kernel"]
+    assert "_other_regime" not in rows[0]
