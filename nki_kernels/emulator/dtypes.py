@@ -43,8 +43,12 @@ class NkiDtype:
 
     # NumPy interoperability: ``np.dtype(nl.bfloat16)``, ``np.zeros(s, dtype=nl.float32)`` and
     # ``arr.astype(nl.float16)`` use this attribute (NumPy's ``.dtype`` protocol). x4 types give
-    # their uint container tagged with the NKI name in the dtype's metadata, so host arrays of
-    # packed MX data keep their identity when passed into a kernel.
+    # a one-field structured dtype named after the NKI type over their uint container (and that
+    # name in the dtype's metadata): host arrays of packed MX data keep their identity through
+    # NumPy's copies, ``concatenate`` and ``stack`` and when passed into a kernel, and
+    # ``str(arr.dtype)`` names the type, which NKI Library's harness reads (``'x4' in str(dtype)``).
+    # Like the Neuron SDK's own x4 host dtypes they carry no arithmetic: ``.view(np.uint32)``
+    # (``np.uint16`` for fp4) gives the packed words.
     @property
     def dtype(self):
         return _NP_OF[self.name]
@@ -65,7 +69,9 @@ class NkiDtype:
         return r if r is NotImplemented else not r
 
     def __hash__(self):
-        return hash(("nki-dtype", self.name))
+        # equal to the NumPy dtype it compares equal to, so ``arr.dtype in {nl.float8_e5m2_x4: ...}``
+        # finds the entry (NKI Library's MX goldens look their dtype up this way)
+        return hash(self.dtype)
 
     @property
     def is_float(self):
@@ -124,7 +130,7 @@ _FROM_NP[np.dtype(np.bool_)] = bool_
 
 
 def _x4_np(d):
-    return np.dtype(d.np, metadata={"nki_dtype": d.name})
+    return np.dtype([(d.name, d.np)], metadata={"nki_dtype": d.name})
 
 
 _NP_OF = {d.name: (_x4_np(d) if d.kind == "x4" else np.dtype(np.bool_) if d is bool_ else d.np)
@@ -147,6 +153,8 @@ def from_numpy(npd) -> NkiDtype:
     meta = npd.metadata
     if meta and meta.get("nki_dtype") in _BY_NAME:
         return _BY_NAME[meta["nki_dtype"]]
+    if npd.names and len(npd.names) == 1 and _BY_NAME.get(npd.names[0], bool_).kind == "x4":
+        return _BY_NAME[npd.names[0]]
     try:
         return _FROM_NP[npd]
     except KeyError:

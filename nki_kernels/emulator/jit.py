@@ -11,6 +11,7 @@ import functools
 import inspect
 import os
 import threading
+import warnings
 
 import numpy as np
 
@@ -41,6 +42,8 @@ def _torch_to_numpy(t):
 
 def _numpy_to_torch(a, like=None):
     import torch
+    if a.dtype.names:   # x4 host data: torch has no x4 type; its packed uint words
+        a = a.view(a.dtype[0])
     if a.dtype == dt.bfloat16.np:
         return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
     for name in ("float8_e4m3fn", "float8_e5m2"):
@@ -135,18 +138,16 @@ def _lnc_from_env():
 
 
 def run_kernel(kernel: Kernel, args, kwargs):
-    if rt.maybe_core() is not None and kernel.options.get("_trace_mode"):
-        return kernel.fn(*args, **kwargs)   # a mode="trace" kernel called from a kernel: inlined
-    if rt.maybe_core() is not None:
-        raise NkiValidationError(f"{kernel.fn.__name__}: a @nki.jit kernel was called from inside "
-                                 f"another kernel; only the top-level kernel may carry @nki.jit "
-                                 f"(call the undecorated helper instead)")
+    core = rt.maybe_core()
+    if core is not None:
+        return _inline(kernel, core.launch, args, kwargs)
     gen = rt.current_gen()
     lnc = kernel.grid or _lnc_from_env() or 1
     if lnc == 2 and gen.nc_version < 3:
         raise NkiValidationError(f"{kernel.fn.__name__}: LNC=2 needs Trn2 or Trn3; target is "
                                  f"{gen.name}")
     launch = rt.Launch(gen, lnc, kernel.fn.__name__, grid=kernel.grid is not None)
+    launch.options = kernel.options
     for tr in rt._tracers:
         tr.launches.append({"kernel": kernel.fn.__name__, "target": gen.name, "lnc": lnc,
                             "first_instruction": len(tr.instructions)})
@@ -211,6 +212,42 @@ def run_kernel(kernel: Kernel, args, kwargs):
     out = results[0]
     inputs = {id(t.storage): (t, orig) for t, orig, _ in write_back}
     return _outputs(kernel, out, use_torch, inputs)
+
+
+_CONFIGS = ("compile_config", "specialization_config")
+
+
+def _inline(kernel, launch, args, kwargs):
+    """A ``@nki.jit`` kernel called from inside a running kernel is a sub-kernel: it is traced
+    into the caller, under the caller's LNC and configuration. NKI Library's head (written for NKI
+    0.3) calls ``@nki.jit`` helpers from its kernels (moe_tkg's ``all_expert_mx_impl``), and
+    NKI 0.7 documents the rule for them (``nki.compiler.SpecializationConfig``,
+    ``allow_nested_config_override``: a nested ``@nki.jit`` sub-kernel whose config disagrees
+    with the top-level kernel's raises, or, with that option, warns and inlines under the
+    top-level config). The documentation does not say what a launch grid on a sub-kernel means,
+    nor how 0.3-0.6 treated a disagreeing config: the emulator refuses the first and, under
+    0.3-0.6, inlines the second without a check (not verified on a device)."""
+    from . import versions
+    name = kernel.fn.__name__
+    if kernel.grid is not None:
+        raise NkiValidationError(f"{name}[{kernel.grid}]: a sub-kernel called from inside "
+                                 f"{launch.kernel_name} runs under that kernel's LNC; a launch grid "
+                                 f"applies only to the top-level kernel")
+    top = getattr(launch, "options", {}) or {}
+    if not kernel.options.get("_trace_mode"):
+        differs = [c for c in _CONFIGS if c in kernel.options and kernel.options[c] != top.get(c)]
+        if differs:
+            spec = top.get("specialization_config")
+            msg = (f"{name}: nested @nki.jit sub-kernel's {' and '.join(differs)} differs from the "
+                   f"top-level kernel {launch.kernel_name}'s")
+            if getattr(spec, "allow_nested_config_override", False) is True:
+                warnings.warn(msg + "; inlined under the top-level configuration "
+                              "(allow_nested_config_override)", stacklevel=3)
+            elif versions.at_least("0.7"):
+                raise NkiValidationError(msg + " (set nki.compiler.SpecializationConfig("
+                                         "allow_nested_config_override=True) on the top-level "
+                                         "kernel to inline it under that configuration)")
+    return kernel.fn(*args, **kwargs)
 
 
 def _outputs(kernel, out, use_torch, inputs=None):

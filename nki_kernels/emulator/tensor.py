@@ -674,5 +674,7 @@ def hbm_tensor(array: np.ndarray, buffer, name: str) -> NkiTensor:
 
 
 def to_numpy(t: NkiTensor) -> np.ndarray:
-    """Copy a (whole, contiguous) HBM tensor's elements out as a NumPy array."""
-    return np.array(t._np(), copy=True)
+    """Copy a (whole, contiguous) HBM tensor's elements out as a NumPy array (x4 data in its host
+    dtype, ``np.dtype(nl.float8_e4m3fn_x4)``: the packed words under the x4 type's name)."""
+    a = np.array(t._np(), copy=True)
+    return a.view(t.dtype.dtype) if t.dtype.is_x4 else a
