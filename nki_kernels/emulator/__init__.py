@@ -45,6 +45,14 @@ class _Config:
     def __init__(self, **kw):
         self.__dict__.update(kw)
 
+    def __eq__(self, other):   # by value: sub-kernels' configs are compared with the top-level's
+        return type(other) is type(self) and other.__dict__ == self.__dict__
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+
 
 compiler.CompileConfig = type("CompileConfig", (_Config,), {})
 compiler.SpecializationConfig = type("SpecializationConfig", (_Config,), {})

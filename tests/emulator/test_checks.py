@@ -1217,17 +1217,6 @@ def test_jit_applied_twice_rejected():
         jit(jit(f))
 
 
-def test_nested_jit_call_rejected():
-    @jit
-    def inner():
-        pass
-
-    @jit
-    def outer():
-        inner()
-    with pytest.raises(NkiValidationError, match=q("inner: a @nki.jit kernel was called from "
-                                                   "inside another kernel")):
-        outer()
 
 
 @pytest.mark.parametrize("grid,msg", [(3, "k[3]: the launch grid is the LNC degree and must be "
