@@ -22,12 +22,15 @@ PATH is a checkout of github.com/aws-neuron/nki-library (kernels under
 ``PATH/src/nkilib_src/nkilib/``), or the folder of an installed ``nkilib`` package (holding
 ``core/``; written for a trn instance, never run here). Nothing of PATH is copied or edited.
 
-Pairs (ours -> NKI Library):
+Pairs (ours -> NKI Library; adapters and what is not equivalent: docs/bench.md, "Our kernels
+beside NKI Library's"):
 
-* ``rmsnorm_quant`` -> ``core/rmsnorm/rmsnorm_quant.py`` ``rmsnorm_quant_kernel`` (ROW FP8, RMS
-  norm), LNC 1 and 2. Host adapters: x [T, H] -> hidden [1, T, H]; gamma [H] (LNC 1) or [1, H]
-  (LNC 2, as their tests pass it); their output [1, T, H + 4] float8_e4m3 (the last 4 bytes of a
-  row are its fp32 dequantization scale) -> ours (q [T, H], scale [T, 1] fp32).
+* ``rmsnorm_quant`` -> ``core/rmsnorm`` ``rmsnorm_quant_kernel`` (ROW FP8), LNC 1 and 2;
+* ``swiglu_mlp`` -> ``core/mlp`` ``mlp`` (``mlp_tkg`` / ``mlp_cte`` by their dispatcher; FP8 at
+  CTE: ``rmsnorm_quant_kernel`` feeding ``mlp``'s ROW mode), LNC 1;
+* ``qkv_proj`` -> ``core/qkv`` ``qkv`` (``qkv_cte`` with fused RoPE; at decode also ``qkv_tkg``
+  with RoPE on the host, not timed), LNC 1;
+* ``flash_attention`` -> ``core/attention`` ``attention_cte``, LNC 1.
 """
 from __future__ import annotations
 
@@ -749,6 +752,11 @@ def main(args) -> int:
     except harness.BenchError as e:
         print(f"nki-kernels bench: {e}", file=sys.stderr)
         return 2
+    for flag in ("publish", "readme", "profile"):
+        if getattr(args, flag, False):
+            print(f"nki-kernels bench: --{flag} does not apply to --vs-nkilib (its rows go to "
+                  f"vs_nkilib.jsonl and its own table)", file=sys.stderr)
+            return 2
     ops = None
     if args.op:
         ops = [n.strip() for v in args.op for n in v.split(",") if n.strip()]

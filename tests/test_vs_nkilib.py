@@ -306,3 +306,9 @@ def test_other_regime_variant_row_is_left_out(monkeypatch):
     rows = _rows(monkeypatch, pair, np.ones((4, 128), np.float32), _check)
     assert [r["nkilib_kernel"] for r in rows] == ["cte_kernel"]
     assert "_other_regime" not in rows[0]
+
+
+def test_cli_refuses_publish_with_vs_nkilib(tmp_path, capsys):
+    rc = cli.main(["bench", "--vs-nkilib", str(_checkout(tmp_path)), "--publish", "--quiet"])
+    assert rc == 2
+    assert "--publish does not apply to --vs-nkilib" in capsys.readouterr().err
