@@ -520,8 +520,9 @@ def _measured_theirs(launch: Launch, case, lnc, **kw) -> tuple[dict, object]:
     for st in launch.stages:
         args, kwargs = st.make(out)
         k = st.kernel[lnc] if lnc != 1 else st.kernel
-        fake = dataclasses.replace(case, run=lambda *_a, k=k, a=args, kw_=kwargs: k(*a, **kw_))
-        res = harness.run_measured(fake, (), **kw)
+        # the launch's positional arrays are the NEFF's inputs (bench/device.py feeds them)
+        fake = dataclasses.replace(case, run=lambda *a, k=k, kw_=kwargs: k(*a, **kw_))
+        res = harness.run_measured(fake, tuple(args), **kw)
         total += res["time_ns"] or 0.0
         out = k(*args, **kwargs)
     return {**res, "time_ns": total}, out

@@ -312,3 +312,23 @@ def test_cli_refuses_publish_with_vs_nkilib(tmp_path, capsys):
     rc = cli.main(["bench", "--vs-nkilib", str(_checkout(tmp_path)), "--publish", "--quiet"])
     assert rc == 2
     assert "--publish does not apply to --vs-nkilib" in capsys.readouterr().err
+
+
+def test_measured_stages_add_and_chain(monkeypatch):
+    """The --measured path (never run on a device): each stage is timed with its own arrays as
+    the NEFF inputs, times add up, and a stage gets the previous stage's output."""
+    seen = []
+
+    def fake_measured(case, inputs, **kw):
+        seen.append(tuple(inputs))
+        case.run(*inputs)
+        return {"time_ns": 1000.0}
+    monkeypatch.setattr(harness, "run_measured", fake_measured)
+    x = np.arange(4.0)
+    launch = V.Launch("two", [V.Stage(lambda a: a + 1, lambda _p: ((x,), {})),
+                              V.Stage(lambda a, s=1: a * s, lambda p: ((p,), {"s": 3}))],
+                      lambda out: out)
+    res, out = V._measured_theirs(launch, _toy_case(None), 1)
+    assert res["time_ns"] == 2000.0
+    np.testing.assert_array_equal(out, (x + 1) * 3)
+    assert seen[0][0] is x and np.array_equal(seen[1][0], x + 1)
