@@ -83,6 +83,7 @@ def as_buffer(buffer, where: str) -> MemoryRegion:
 
 # ----------------------------------------------------------------------------- storage
 _alloc_ids = itertools.count(1)
+_uses = itertools.count(1)    # a clock of tensor accesses: Storage.last_use
 
 
 class Storage:
@@ -94,7 +95,7 @@ class Storage:
 
     __slots__ = ("id", "buffer", "raw", "nbytes", "partitions", "row_bytes", "name", "core",
                  "p0", "addr", "mm_written", "dtype", "site", "retired", "pitch", "pending",
-                 "__weakref__")
+                 "last_use", "__weakref__")
 
     def __init__(self, buffer, nbytes, dtype, name="", partitions=1, row_bytes=None, core=None):
         self.id = next(_alloc_ids)
@@ -110,7 +111,8 @@ class Storage:
         self.mm_written = None
         self.dtype = dtype
         self.site = None       # allocating statement (kernel call stack), on-chip only
-        self.retired = False   # space handed to a later allocation by the same statement
+        self.retired = None    # why its space went to a later allocation (the error if used)
+        self.last_use = 0      # _uses tick of the latest access (0: never used)
         self.pitch = self.nbytes  # HBM: bytes of one row (last dim) of the allocated shape
         self.pending = None    # SBUF: the allocator that places it at its first use
 
@@ -127,6 +129,15 @@ class OnChipAllocator:
     banks, larger tiles take whole consecutive banks; 16 KiB per partition in all.
     Allocations are released when the Python object dies (an allocation inside a loop body is
     freed when it goes out of use), which is what lets the compiler rotate buffers.
+
+    The compiler frees a tile after its last use, which an eager emulator cannot know. When an
+    allocation does not fit, the emulator first retires the earlier tiles of the same statement
+    (loop rotation), then the tiles unused for longest (least recently used first; tiles never
+    used yet are kept), until it fits. A retired tile that is used again raises: at that point
+    the tiles in use truly exceeded the capacity, unless the compiler would have picked other
+    victims (the emulator takes the least recently used: it may refuse, never wrongly accept).
+    Placement is unchanged for any kernel whose live tiles fit, so the cost model's PSUM banks
+    are too.
 
     SBUF space is taken by liveness, as the compiler's allocator does: a tensor occupies space from
     its first use (the first instruction that reads or writes it), so a buffer that is allocated
@@ -164,17 +175,42 @@ class OnChipAllocator:
         st.pending = None
         self._alloc_sbuf(st, None)
 
-    def _retire_site(self, site, keep=None):
+    def _retire_site(self, site, keep=None, used=True):
         """Out of space while the statement that allocates ``site`` runs again (a later loop
         iteration, its previous tile still bound to the loop's variable): the compiler gives each
-        iteration the same buffer, so retire the earlier tiles; using one later is an error."""
+        iteration the same buffer, so retire the earlier tiles; using one later is an error.
+        ``used``: only tiles already used (a previous iteration's buffer); tiles not used yet are
+        retired only when nothing else frees room (a list of tiles being prepared is live)."""
         old = [(sid, ref()) for sid, (s, ref) in self.sites.items() if s == site]
         old = [(sid, st) for sid, st in old if st is not None and st is not keep
-               and sid in self.live]
+               and sid in self.live and bool(st.last_use) == used]
         for sid, st in old:
-            st.retired = True
+            st.retired = (f"the statement that allocated it ran again (a later loop iteration) "
+                          f"while it was live, and both did not fit ({self.region.name} capacity "
+                          f"exceeded); keep fewer tiles live or allocate it once outside the loop")
             self.release(sid)
         return bool(old)
+
+    def _retire_lru(self, st, detail):
+        """Out of space for ``st``: retire the live tile unused for longest (taken for dead, as
+        the compiler frees a tile after its last use). False when no used tile is left."""
+        best = None
+        for sid, (_, ref) in self.sites.items():
+            o = ref()
+            if o is None or o is st or sid not in self.live or not o.last_use or \
+                    o.pending is not None or (self.region is psum and self.live[sid] is None) or \
+                    (self.region is sbuf and self.live[sid][2] == 0):
+                continue
+            if best is None or o.last_use < best.last_use:
+                best = o
+        if best is None:
+            return False
+        best.retired = (f"its space went to {st.name or 'a later tile'!r}, which did not fit "
+                        f"beside the live {self.region.name} tiles ({detail}); unused since, it "
+                        f"was taken for dead (the compiler frees a tile after its last use). Keep "
+                        f"fewer tiles live at once")
+        self.release(best.id)
+        return True
 
     def _alloc_sbuf(self, st, address, retry=True):
         p0 = 0
@@ -194,6 +230,12 @@ class OnChipAllocator:
             new = self.usage[p0:hi] + st.row_bytes
             if new.max(initial=0) > self.capacity:
                 if retry and self._retire_site(st.site, keep=st):
+                    return self._alloc_sbuf(st, address, retry=False)
+                if self._retire_lru(st, f"{int(new.max())} bytes per partition needed, the limit "
+                                        f"is {self.capacity} usable bytes per partition on "
+                                        f"{self.gen.name}"):
+                    return self._alloc_sbuf(st, address, retry=False)
+                if self._retire_site(st.site, keep=st, used=False):
                     return self._alloc_sbuf(st, address, retry=False)
                 raise NkiValidationError(
                     f"nl.ndarray: SBUF capacity exceeded on {self.gen.name}: allocating "
@@ -248,6 +290,11 @@ class OnChipAllocator:
         if retry and self._retire_site(st.site, keep=st):
             return self._alloc_psum(st, address, retry=False)
         used = sum(z - a for fill in self.bank_fill for (a, z, _) in fill)
+        if self._retire_lru(st, f"{size} bytes per partition needed, {used} of {self.capacity} "
+                                f"live in {len(self.live)} tiles on {self.gen.name}"):
+            return self._alloc_psum(st, address, retry=False)
+        if self._retire_site(st.site, keep=st, used=False):
+            return self._alloc_psum(st, address, retry=False)
         raise NkiValidationError(
             f"nl.ndarray: PSUM capacity exceeded on {self.gen.name}: no room for {st.name or 'a tile'} "
             f"of {size} bytes per partition ({used} of {self.capacity} bytes per partition live in "

@@ -503,9 +503,8 @@ class NkiTensor:
         if self.storage.retired:
             raise NkiValidationError(
                 f"{self.name or 'a tile'!r} ({self.buffer.name}) is used after its space was "
-                f"reused: the statement that allocated it ran again (a later loop iteration) "
-                f"while it was live, and both did not fit ({self.buffer.name} capacity exceeded); "
-                f"keep fewer tiles live or allocate it once outside the loop")
+                f"reused: {self.storage.retired}")
+        self.storage.last_use = next(rt._uses)
         raw = self.storage.raw
         return raw.view(self.dtype.np) if self.dtype.np.itemsize > 1 else (
             raw if raw.dtype == self.dtype.np else raw.view(self.dtype.np))

@@ -893,15 +893,23 @@ def rt_sbuf_partitions_past_end():
     sb((64, 8), name="y", address=(100, 0))
 
 
-@case(r"nl.ndarray: SBUF capacity exceeded on trn2: allocating b of 120000 bytes per partition "
-      r"needs 240000 bytes per partition .* limit is 212992", tgt="trn2")
+@case(q("'a' (sbuf) is used after its space was reused: its space went to 'b', which did not fit "
+        "beside the live sbuf tiles (240000 bytes per partition needed, the limit is 212992 usable "
+        "bytes per partition on trn2)"), tgt="trn2")
 def rt_sbuf_capacity():
     a = sb((128, 30000), name="a")
     b = sb((128, 30000), name="b")
     nisa.memset(a, 0.0)       # SBUF space is taken at first use (liveness): both used, both live
-    nisa.memset(b, 0.0)
-    nisa.memset(a, 1.0)
+    nisa.memset(b, 0.0)       # b takes a's space (a could be dead: the compiler frees after last use)
+    nisa.memset(a, 1.0)       # ... it is not: both live at once, over capacity
     del a, b
+
+
+@case(r"nl.ndarray: SBUF capacity exceeded on trn2: allocating b of 220000 bytes per partition "
+      r"needs 220000 bytes per partition .* limit is 212992", tgt="trn2")
+def rt_sbuf_tile_over_capacity():
+    b = sb((128, 55000), name="b")
+    nisa.memset(b, 0.0)
 
 
 @case(q("nl.ndarray: PSUM address free offset 1024 must be a multiple of the 2048-byte bank size"))

@@ -416,6 +416,49 @@ def test_unused_sbuf_buffers_take_no_space():
         np.testing.assert_array_equal(k(x), x)
 
 
+def test_tiles_past_their_last_use_free_their_space():
+    """The compiler frees a tile after its last use. A small PSUM tile (and a big SBUF one) still
+    bound to a Python name but never used again must not keep eight full PSUM banks (or a second
+    big SBUF buffer) from fitting: NKI Library's moe_tkg allocates 8 banks after an earlier
+    128-byte PSUM tile."""
+    @jit
+    def k(x):
+        out = nl.ndarray((128, 512), x.dtype, buffer=nl.shared_hbm)
+        small = nl.ndarray((128, 32), nl.float32, buffer=nl.psum)
+        nisa.memset(small, 0.0)                      # used once, then dead (still bound)
+        big = nl.ndarray((128, 30000), nl.float32)
+        nisa.memset(big, 0.0)                        # 120 KB per partition, dead after this
+        big2 = nl.ndarray((128, 30000), nl.float32)  # does not fit beside big: big was dead
+        nisa.memset(big2, 1.0)
+        banks = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(8)]
+        t = nl.ndarray((128, 512), x.dtype)
+        nisa.dma_copy(dst=t, src=x)
+        for b in banks:
+            nisa.tensor_copy(dst=b, src=t)
+        acc = nl.ndarray((128, 512), x.dtype)
+        nisa.tensor_copy(dst=acc, src=banks[0])
+        for b in banks[1:]:
+            nisa.tensor_tensor(dst=acc, data1=acc, data2=b, op=nl.add)
+        nisa.dma_copy(dst=out, src=acc)
+        return out
+    x = np.ones((128, 512), np.float32)
+    with emu.target("trn2"):
+        np.testing.assert_array_equal(k(x), 8 * x)
+
+    @jit
+    def still_live(x):
+        small = nl.ndarray((128, 32), nl.float32, buffer=nl.psum, name="small")
+        nisa.memset(small, 0.0)
+        banks = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum, name=f"b{i}") for i in range(8)]
+        for b in banks:
+            nisa.memset(b, 0.0)
+        nisa.memset(small, 1.0)                      # small was live after all: 8 banks + it
+    with emu.target("trn2"), pytest.raises(
+            NkiValidationError, match=r"'small' \(psum\) is used after its space was reused: its space "
+                                      r"went to 'b7', which did not fit beside the live psum tiles"):
+        still_live(x)
+
+
 def test_lnc2_programs_interleave_on_shared_hbm():
     """Both programs zero-fill the whole shared output, then each stores its half: running the
     cores side by side (not program 0 to its end first) keeps both halves."""
