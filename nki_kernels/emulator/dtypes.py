@@ -184,11 +184,15 @@ def as_nki_dtype(dtype, where: str) -> NkiDtype:
 def sentinel_fill(raw: np.ndarray, dtype: NkiDtype) -> None:
     """Fill fresh storage the way the official simulator does: NaN for floats, 4 for ints.
 
-    x4 containers get every byte 0xFF (NaN in e4m3fn/e5m2, -6 in fp4): the spec does not say what the
-    simulator writes there; any non-zero garbage serves the purpose of exposing uninitialised reads.
+    x4 types are uint32/uint16 containers (nki-spec §0.2 item 7) and get the integer sentinel, 4 in
+    each container word (a small finite value in lane 0, zeros in the others). The spec does not
+    say what the simulator writes there; the integer rule is the documented one that fits a uint
+    container, and it matches hardware, where garbage MX data is almost never a NaN code: NKI
+    Library's MX kernels feed padded, never-written token columns through TensorE and discard
+    them (moe_block / moe_tkg MX), which a NaN fill would turn into NaN outputs.
     """
     if dtype.kind == "x4":
-        raw[...] = 0xFF
+        raw.view(dtype.np)[...] = 4
     elif dtype.kind == "float":
         raw.view(dtype.np)[...] = np.array(np.nan, dtype=np.float32).astype(dtype.np)
     else:

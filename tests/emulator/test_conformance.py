@@ -75,6 +75,19 @@ def test_x4_outputs_reach_the_host_as_x4():
     np.testing.assert_array_equal(out.view(np.uint32), words)
 
 
+def test_fresh_x4_storage_holds_the_integer_sentinel():
+    # x4 types are uint containers: the simulator's integer sentinel 4, not an fp8 NaN code
+    @emu.jit
+    def k(x):
+        t = nl.ndarray(x.shape, nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+        out = nl.ndarray(x.shape, nl.float8_e4m3fn_x4, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    with emu.target("trn3"):
+        out = k(np.zeros((4, 2), np.uint32))
+    np.testing.assert_array_equal(out.view(np.uint32), np.full((4, 2), 4, np.uint32))
+
+
 # ------------------------------------------------------------------------------------------ versions
 def test_version_default_and_selection(monkeypatch):
     monkeypatch.delenv(versions.ENV, raising=False)
