@@ -524,24 +524,12 @@ def test_trace_mode_kernel_is_inlined_into_its_caller_under_03():
             def sub(t):
                 nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=3.0)
 
-        @jit
-        def top(x):
-            out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
-            t = nl.ndarray(x.shape, x.dtype)
-            nisa.dma_copy(dst=t, src=x)
-            sub(t)
-            nisa.dma_copy(dst=out, src=t)
-            return out
         x = np.ones((4, 8), np.float32)
-        np.testing.assert_array_equal(top(x), 3 * x)
+        np.testing.assert_array_equal(jit(_top_calling(sub))(x), 3 * x)
 
 
-
-def _sub_kernel_pair(**sub_options):
-    @jit(**sub_options)
-    def sub(t):
-        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=3.0)
-
+def _top_calling(sub):
+    """An undecorated top-level body that loads x, calls ``sub`` on the tile and stores it."""
     def top(x):
         out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
         t = nl.ndarray(x.shape, x.dtype)
@@ -549,7 +537,14 @@ def _sub_kernel_pair(**sub_options):
         sub(t)
         nisa.dma_copy(dst=out, src=t)
         return out
-    return sub, top
+    return top
+
+
+def _sub_kernel_pair(**sub_options):
+    @jit(**sub_options)
+    def sub(t):
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=3.0)
+    return sub, _top_calling(sub)
 
 
 @pytest.mark.parametrize("version", ["0.3", "0.7"])
