@@ -47,8 +47,8 @@ class NkiDtype:
     # name in the dtype's metadata): host arrays of packed MX data keep their identity through
     # NumPy's copies, ``concatenate`` and ``stack`` and when passed into a kernel, and
     # ``str(arr.dtype)`` names the type, which NKI Library's harness reads (``'x4' in str(dtype)``).
-    # Like the Neuron SDK's own x4 host dtypes they carry no arithmetic: ``.view(np.uint32)``
-    # (``np.uint16`` for fp4) gives the packed words.
+    # They carry no arithmetic: ``.view(np.uint32)`` (``np.uint16`` for fp4) gives the packed
+    # words.
     @property
     def dtype(self):
         return _NP_OF[self.name]
@@ -130,7 +130,13 @@ _FROM_NP[np.dtype(np.bool_)] = bool_
 
 
 def _x4_np(d):
-    return np.dtype([(d.name, d.np)], metadata={"nki_dtype": d.name})
+    # the field is the float type of the container's width, so that NumPy's value cast of the
+    # host array to that float (``np.asarray(out, dtype=np.float32)``, which NKI Library's harness
+    # applies to every output) keeps the packed bits, as its MX goldens (``words.view(np.float32)``)
+    # expect; ``.view(np.uint32)`` / ``.view(np.uint16)`` still give the words
+    width = np.dtype(d.np).itemsize
+    return np.dtype([(d.name, {4: np.float32, 2: np.float16}[width])],
+                    metadata={"nki_dtype": d.name})
 
 
 _NP_OF = {d.name: (_x4_np(d) if d.kind == "x4" else np.dtype(np.bool_) if d is bool_ else d.np)

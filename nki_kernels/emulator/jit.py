@@ -43,7 +43,7 @@ def _torch_to_numpy(t):
 def _numpy_to_torch(a, like=None):
     import torch
     if a.dtype.names:   # x4 host data: torch has no x4 type; its packed uint words
-        a = a.view(a.dtype[0])
+        a = a.view(dt.from_numpy(a.dtype).np)
     if a.dtype == dt.bfloat16.np:
         return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
     for name in ("float8_e4m3fn", "float8_e5m2"):

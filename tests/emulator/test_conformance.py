@@ -73,6 +73,9 @@ def test_x4_outputs_reach_the_host_as_x4():
         out = k(x)
     assert out.dtype == nl.float8_e5m2_x4
     np.testing.assert_array_equal(out.view(np.uint32), words)
+    # NKI Library's harness casts every output to its golden's dtype; its MX goldens hold the
+    # packed words viewed as float32: the cast keeps the bits
+    np.testing.assert_array_equal(np.asarray(out, dtype=np.float32).view(np.uint32), words)
 
 
 def test_fresh_x4_storage_holds_the_integer_sentinel():

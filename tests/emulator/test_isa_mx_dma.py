@@ -96,7 +96,7 @@ def _check_quant(x, key, out):
     P = x.shape[0]
     vals, scales = ref.quantize_mx_tile(x.astype(np.float32), fmt)
     # x4 outputs reach the host in their x4 dtype (named after the type, no arithmetic)
-    assert str(words.dtype) == f"[('{key_x4(key)}', '<u4')]"
+    assert str(words.dtype) == f"[('{key_x4(key)}', '<f4')]"
     np.testing.assert_array_equal(words.view(np.uint32), ref.pack_x4(vals, fmt))
     rows = ref.scale_partitions(P // 8)
     np.testing.assert_array_equal(sbuf_bytes[rows], scales)
