@@ -670,10 +670,6 @@ def _cell(s: dict) -> str:
     return f"{s['time_us']:.2f} us"
 
 
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
 def _check_cell(s: dict) -> str:
     if s.get("error"):
         kind = s["error"].split(":")[0]
@@ -712,15 +708,15 @@ def markdown_table(rows, *, tier: str | None = None) -> str:
     for r in rows:
         o, t = r["ours"], r["nkilib"]
         kern = r.get("nkilib_kernel") or r["nkilib_family"]
-        ratio = _f(r["ratio_theirs_over_ours"], ".2f")
+        ratio = harness._fmt(r["ratio_theirs_over_ours"], ".2f")
         lines.append(
             f"| {r['op']} | {kern} | {r['shape']} | {r['dtype']} | {r['target']} | {r['lnc']} | "
-            f"{_f(o['time_us'] if not o['error'] else None, '.2f')} | "
-            f"{_f(t['time_us'] if not t['error'] else None, '.2f')} | "
-            f"{_f(o['pct_roof'] if not o['error'] else None, '.1f')} | "
-            f"{_f(t['pct_roof'] if not t['error'] else None, '.1f')} | {ratio} | "
-            f"{_check_cell(o)} | {_check_cell(t)} | {_f(o['wall_s'], '.1f')} / "
-            f"{_f(t['wall_s'], '.1f')} |")
+            f"{harness._fmt(o['time_us'] if not o['error'] else None, '.2f')} | "
+            f"{harness._fmt(t['time_us'] if not t['error'] else None, '.2f')} | "
+            f"{harness._fmt(o['pct_roof'] if not o['error'] else None, '.1f')} | "
+            f"{harness._fmt(t['pct_roof'] if not t['error'] else None, '.1f')} | {ratio} | "
+            f"{_check_cell(o)} | {_check_cell(t)} | {harness._fmt(o['wall_s'], '.1f')} / "
+            f"{harness._fmt(t['wall_s'], '.1f')} |")
         for who, s in (("ours", o), ("NKI Library", t)):
             if s.get("error"):
                 notes.append(f"- {r['op']} {r['shape']} {r['dtype']} {r['target']} LNC={r['lnc']}, "

@@ -159,8 +159,9 @@ def from_numpy(npd) -> NkiDtype:
     meta = npd.metadata
     if meta and meta.get("nki_dtype") in _BY_NAME:
         return _BY_NAME[meta["nki_dtype"]]
-    if npd.names and len(npd.names) == 1 and _BY_NAME.get(npd.names[0], bool_).kind == "x4":
-        return _BY_NAME[npd.names[0]]
+    named = _BY_NAME.get(npd.names[0]) if npd.names and len(npd.names) == 1 else None
+    if named is not None and named.is_x4:     # an x4 host dtype whose metadata was dropped
+        return named
     try:
         return _FROM_NP[npd]
     except KeyError:

@@ -146,8 +146,8 @@ def run_kernel(kernel: Kernel, args, kwargs):
     if lnc == 2 and gen.nc_version < 3:
         raise NkiValidationError(f"{kernel.fn.__name__}: LNC=2 needs Trn2 or Trn3; target is "
                                  f"{gen.name}")
-    launch = rt.Launch(gen, lnc, kernel.fn.__name__, grid=kernel.grid is not None)
-    launch.options = kernel.options
+    launch = rt.Launch(gen, lnc, kernel.fn.__name__, grid=kernel.grid is not None,
+                       options=kernel.options)
     for tr in rt._tracers:
         tr.launches.append({"kernel": kernel.fn.__name__, "target": gen.name, "lnc": lnc,
                             "first_instruction": len(tr.instructions)})
@@ -233,7 +233,7 @@ def _inline(kernel, launch, args, kwargs):
         raise NkiValidationError(f"{name}[{kernel.grid}]: a sub-kernel called from inside "
                                  f"{launch.kernel_name} runs under that kernel's LNC; a launch grid "
                                  f"applies only to the top-level kernel")
-    top = getattr(launch, "options", {}) or {}
+    top = launch.options
     if not kernel.options.get("_trace_mode"):
         differs = [c for c in _CONFIGS if c in kernel.options and kernel.options[c] != top.get(c)]
         if differs:

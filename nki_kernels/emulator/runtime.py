@@ -191,6 +191,19 @@ class OnChipAllocator:
             self.release(sid)
         return bool(old)
 
+    def _make_room(self, st, first, detail):
+        """Out of space for ``st``: retire tiles in the order the class docstring gives (the
+        statement's previous iterations on the ``first`` attempt only, then the least recently
+        used tile, then the statement's unused tiles). True when something was retired."""
+        if first and self._retire_site(st.site, keep=st):
+            return True
+        return self._retire_lru(st, detail) or self._retire_site(st.site, keep=st, used=False)
+
+    def _pinned(self, sid):
+        """Placed by ``address=`` (the kernel owns the placement): never retired."""
+        rec = self.live[sid]
+        return rec is None if self.region is psum else rec[2] == 0
+
     def _retire_lru(self, st, detail):
         """Out of space for ``st``: retire the live tile unused for longest (taken for dead, as
         the compiler frees a tile after its last use). False when no used tile is left."""
@@ -198,8 +211,7 @@ class OnChipAllocator:
         for sid, (_, ref) in self.sites.items():
             o = ref()
             if o is None or o is st or sid not in self.live or not o.last_use or \
-                    o.pending is not None or (self.region is psum and self.live[sid] is None) or \
-                    (self.region is sbuf and self.live[sid][2] == 0):
+                    o.pending is not None or self._pinned(sid):
                 continue
             if best is None or o.last_use < best.last_use:
                 best = o
@@ -229,13 +241,9 @@ class OnChipAllocator:
         if address is None:
             new = self.usage[p0:hi] + st.row_bytes
             if new.max(initial=0) > self.capacity:
-                if retry and self._retire_site(st.site, keep=st):
-                    return self._alloc_sbuf(st, address, retry=False)
-                if self._retire_lru(st, f"{int(new.max())} bytes per partition needed, the limit "
-                                        f"is {self.capacity} usable bytes per partition on "
-                                        f"{self.gen.name}"):
-                    return self._alloc_sbuf(st, address, retry=False)
-                if self._retire_site(st.site, keep=st, used=False):
+                if self._make_room(st, retry, f"{int(new.max())} bytes per partition needed, "
+                                              f"the limit is {self.capacity} usable bytes per "
+                                              f"partition on {self.gen.name}"):
                     return self._alloc_sbuf(st, address, retry=False)
                 raise NkiValidationError(
                     f"nl.ndarray: SBUF capacity exceeded on {self.gen.name}: allocating "
@@ -287,13 +295,10 @@ class OnChipAllocator:
                     self.live[st.id] = [(b, lo, lo + size)]
                     self._peak()
                     return
-        if retry and self._retire_site(st.site, keep=st):
-            return self._alloc_psum(st, address, retry=False)
         used = sum(z - a for fill in self.bank_fill for (a, z, _) in fill)
-        if self._retire_lru(st, f"{size} bytes per partition needed, {used} of {self.capacity} "
-                                f"live in {len(self.live)} tiles on {self.gen.name}"):
-            return self._alloc_psum(st, address, retry=False)
-        if self._retire_site(st.site, keep=st, used=False):
+        if self._make_room(st, retry, f"{size} bytes per partition needed, {used} of "
+                                      f"{self.capacity} live in {len(self.live)} tiles on "
+                                      f"{self.gen.name}"):
             return self._alloc_psum(st, address, retry=False)
         raise NkiValidationError(
             f"nl.ndarray: PSUM capacity exceeded on {self.gen.name}: no room for {st.name or 'a tile'} "
@@ -356,11 +361,13 @@ class Launch:
     run is deterministic: a program hands over at ``core_barrier``/``sendrecv`` or when it ends.
     """
 
-    def __init__(self, gen: hardware.Generation, lnc: int, kernel_name: str, grid: bool = False):
+    def __init__(self, gen: hardware.Generation, lnc: int, kernel_name: str, grid: bool = False,
+                 options=None):
         self.gen = gen
         self.lnc = lnc
         self.grid = grid
         self.kernel_name = kernel_name
+        self.options = dict(options or {})   # the kernel's nki.jit options (configs)
         self.cores = [Core(self, i) for i in range(lnc)]
         self.cv = threading.Condition()
         self.turn = 0
