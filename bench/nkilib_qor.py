@@ -447,6 +447,31 @@ def report(results, family=None) -> str:
     return "\n".join(lines)
 
 
+def _overrides(items) -> dict:
+    out = {}
+    for it in items:
+        name, _, text = it.partition("=")
+        out[name] = json.loads(text.lower()) if text.lower() in ("true", "false") else float(text)
+    return out
+
+
+def remodel(results, traces: Path, out: Path, params=None) -> int:
+    """Re-model each result whose trace was kept (``--qor-traces``) with today's cost model (and
+    ``params`` overrides); results without a trace are left out. Returns the count written."""
+    from nki_kernels.emulator.qor_plugin import load_trace, model_record
+    n = 0
+    with open(out, "w") as f:
+        for r in results:
+            if not r.get("trace_file"):
+                continue
+            rec = dict(r)
+            rec.update(model_record(load_trace(traces, r["trace_file"]), r.get("published_ps"),
+                                    params=params or None))
+            f.write(json.dumps(rec) + "\n")
+            n += 1
+    return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python bench/nkilib_qor.py", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -458,7 +483,17 @@ def main(argv=None) -> int:
     r.add_argument("results", type=Path, nargs="+")
     r.add_argument("--family", help="only this kernel family (attention_cte, mlp_cte, ...)")
     r.add_argument("--table", type=Path, default=DATA, help="the extracted table")
+    m = sub.add_parser("remodel", help="re-model results kept with --qor-traces on today's model")
+    m.add_argument("results", type=Path, nargs="+")
+    m.add_argument("--traces", type=Path, required=True, help="the --qor-traces folder")
+    m.add_argument("--out", type=Path, required=True, help="JSON lines written here")
+    m.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="cost-parameter override (sensitivity only; repeatable)")
     a = ap.parse_args(argv)
+    if a.cmd == "remodel":
+        n = remodel(read_results(a.results), a.traces, a.out, _overrides(a.set))
+        print(f"{n} cases re-modeled -> {a.out}")
+        return 0
     if a.cmd == "extract":
         data = extract(a.root, a.commit)
         a.out.write_text(json.dumps(data, indent=1) + "\n")

@@ -114,6 +114,11 @@ class CostParams:
     swdge_cycles_per_desc: float = 6.0  # a = 4-8 (midpoint) [Est]
     dma_transpose_eff_hbm: float = 0.9   # HBM->SBUF DMA transpose vs copy [D AT2]
     dma_transpose_eff_sbuf: float = 0.5  # SBUF->SBUF DMA transpose vs copy [D AT2]
+    # a DMA transpose is priced by [128, 16]-element output blocks written by all 16 queues
+    # together (the efficiencies above are for whole blocks), not by its per-partition descriptors
+    # [D AT2]; False: priced as per-partition descriptors like a copy (the model before issue 12's
+    # attention fit; sensitivity only)
+    dma_transpose_blocks: bool = True
 
     # ---- HBM
     hbm_chip_gbps: float = 2900.0  # chip HBM bandwidth [D T2]
@@ -177,6 +182,7 @@ TRN1_COST = CostParams(
     throttle=False,
     dma_bw_q=17.0,                                # [D DBW]
     hwdge_instances=0,                            # SW DGE only [D AT2]
+    dma_transpose_blocks=False,                   # the cooperative block transpose is v3+ [D AT2]
     hbm_chip_gbps=820.0, hbm_stacks=1, ncs_per_chip=2,  # [D A2]
     hbm_share_gbps=410.0, hbm_stack_gbps=820.0,   # [Der] approximate
 )

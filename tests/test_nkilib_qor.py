@@ -132,8 +132,8 @@ def _tiny(a):
     return out
 
 
-def _item(tmp_path, params, rows=()):
-    opts = {"--qor-output": str(tmp_path / "r.jsonl"), "--qor-timeout": 30.0}
+def _item(tmp_path, params, rows=(), traces=None):
+    opts = {"--qor-output": str(tmp_path / "r.jsonl"), "--qor-timeout": 30.0, "--qor-traces": traces}
     cfg = SimpleNamespace(getoption=lambda k, d=None: opts.get(k, d), _qor_rows=list(rows))
     return SimpleNamespace(config=cfg, nodeid="test_fake.py::test_k[x]", originalname="test_k",
                            path=Path("test_fake.py"),
@@ -177,6 +177,24 @@ def test_hook_models_the_kernel_run_and_writes_a_record(tmp_path):
     assert fit["fake"]["n"] == 1 and math.isclose(fit["fake"]["median_abs_ln"],
                                                   abs(math.log(ok["ratio"])))
     assert "| fake | 1 |" in Q.report(recs)
+
+
+def test_kept_traces_remodel_to_the_same_figure_and_follow_parameter_changes(tmp_path):
+    x = np.random.default_rng(0).standard_normal((128, 2048)).astype(np.float32)
+    with target("trn2"):
+        _drive_hook(_item(tmp_path, {"seqlen": 128, "tpbSgCyclesSum": 5e6},
+                          traces=str(tmp_path / "tr")), lambda: _tiny(x))
+    rec = json.loads((tmp_path / "r.jsonl").read_text())
+    assert (tmp_path / "tr" / rec["trace_file"]).exists()
+    out = tmp_path / "again.jsonl"
+    assert Q.remodel([rec], tmp_path / "tr", out) == 1
+    again = json.loads(out.read_text())
+    assert again["modeled_ns"] == pytest.approx(rec["modeled_ns"]) and again["nodeid"] == rec["nodeid"]
+    Q.remodel([rec], tmp_path / "tr", out, {"dma_bw_q": 11.5})      # half the queue bandwidth
+    slow = json.loads(out.read_text())
+    assert slow["modeled_ns"] > 1.3 * rec["modeled_ns"]
+    assert Q._overrides(["dma_bw_q=11.5", "rename_onchip=false"]) == {"dma_bw_q": 11.5,
+                                                                       "rename_onchip": False}
 
 
 def test_range_rows_match_on_their_numeric_fields():

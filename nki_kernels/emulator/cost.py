@@ -646,7 +646,17 @@ class _Costs:
         nq, ppq = cp.dma_queues, cp.dma_partitions_per_queue
         bw, bmin, bfix = cp.dma_bw_q, cp.dma_b_min, cp.dma_b_fix
         segs = []
-        if sb is not None:
+        if transpose and cp.dma_transpose_blocks and dst is not None and dst.on_chip:
+            # the 16 queues write the output together, one [128 partitions, 16 contiguous
+            # elements] block at a time; a partial block costs a whole one [D AT2]
+            P, isz = max(1, _parts(dst)), max(1, dst.itemsize)
+            run = max(1, dst.contig_bytes // isz)
+            rows = max(1, _free(dst) // run)
+            n_blk = math.ceil(P / 128) * rows * math.ceil(run / 16)
+            work = passes * n_blk * 128 * 16 * isz / nq / bw / eff
+            segs = [(k, work, hbm / nq) for k in range(nq)]
+            n_desc = n_blk * nq
+        elif sb is not None:
             P = max(1, _parts(sb))
             p0 = sb.partitions[0]
             bpp = nbytes / P

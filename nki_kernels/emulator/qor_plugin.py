@@ -18,12 +18,18 @@ harness is changed. ``--qor-only`` deselects tests without a published value, ``
 / ``--qor-min-us`` those whose published time is outside the range, and the rest run smallest
 published value first.
 ``--qor-timeout`` stops a test after that many seconds (SIGALRM; recorded as ``timeout``).
+``--qor-traces DIR`` also keeps each modeled launch's trace (gzipped pickle, named in the line's
+``trace_file``), so ``bench/nkilib_qor.py remodel`` can re-model the cases after a cost-model
+change without running the suite again.
 All modeled figures are the analytical cost model's, never a measurement.
 """
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -52,6 +58,8 @@ def pytest_addoption(parser):
                 help="deselect cases whose published time exceeds this (us)")
     g.addoption("--qor-min-us", type=float, default=0.0,
                 help="deselect cases whose published time is below this (us)")
+    g.addoption("--qor-traces", default=None,
+                help="keep each modeled launch's trace here (for bench/nkilib_qor.py remodel)")
 
 
 # --------------------------------------------------------------------------- published values
@@ -179,8 +187,9 @@ def _first_launch(tr):
     return one, len(launches)
 
 
-def model_record(tr, published_ps=None):
-    """Model the first launch of a recorded trace: a dict of the figures the report uses."""
+def model_record(tr, published_ps=None, params=None):
+    """Model the first launch of a recorded trace: a dict of the figures the report uses.
+    ``params``: cost-parameter overrides (``model_trace``'s; sensitivity only)."""
     from .cost import model_trace
     one, n = _first_launch(tr)
     if not one.instructions:
@@ -188,7 +197,7 @@ def model_record(tr, published_ps=None):
     L = one.launches[0] if one.launches else {}
     target = L.get("target", "trn2")
     lnc = int(L.get("lnc", 1))
-    rep = model_trace(one, target, lnc=lnc)
+    rep = model_trace(one, target, lnc=lnc, params=params)
     rec = {"target": target, "lnc": lnc, "kernel": L.get("kernel"), "n_launches": n,
            "modeled_ns": rep.makespan_ns, "binding": rep.binding_engine,
            "busy_ns": {k: round(v, 1) for k, v in rep.engine_busy_ns.items() if v},
@@ -199,6 +208,20 @@ def model_record(tr, published_ps=None):
     if published_ps:
         rec["ratio"] = rep.makespan_ns / (published_ps / 1e3)
     return rec
+
+
+def save_trace(tr, folder, key) -> str:
+    """Pickle ``tr`` (gzipped) into ``folder`` under a name derived from ``key``; the name."""
+    name = hashlib.sha1(key.encode()).hexdigest()[:16] + ".pkl.gz"
+    os.makedirs(folder, exist_ok=True)
+    with gzip.open(os.path.join(folder, name), "wb") as f:
+        pickle.dump(tr, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return name
+
+
+def load_trace(folder, name):
+    with gzip.open(os.path.join(folder, name), "rb") as f:
+        return pickle.load(f)
 
 
 def _alarm(signum, frame):
@@ -244,6 +267,9 @@ def pytest_runtest_call(item):
             rec.update(model_record(tr, value))
         except Exception as e:  # noqa: BLE001 - report, never break the suite
             rec["model_error"] = f"{type(e).__name__}: {e}"[:300]
+        keep = item.config.getoption("--qor-traces")
+        if keep and rec.get("modeled_ns") is not None:
+            rec["trace_file"] = save_trace(_first_launch(tr)[0], keep, item.nodeid)
     if rec["outcome"] == "failed" and not tr.launches:
         rec["modeled_ns"] = None
     with open(out, "a") as f:

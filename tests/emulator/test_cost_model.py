@@ -294,6 +294,59 @@ def test_small_descriptors_cost_their_floor():
                                                       rel=0.05)
 
 
+@jit
+def sbuf_transposes(x, n, cols):
+    """``n`` SBUF->SBUF DMA transposes of x [rows, cols] (bf16) into a [cols, rows] tile."""
+    a = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=a, src=x)
+    for _ in range(n):
+        t = nl.ndarray((cols, x.shape[0]), x.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=t, src=a[:, 0:cols])
+
+
+@pytest.mark.parametrize("tgt,bw", [("trn2", 23.0), ("trn3", 33.0)])
+def test_sbuf_dma_transpose_runs_at_half_the_dma_throughput(tgt, bw):
+    """The 16 queues write a DMA transpose's output together, [128, 16] elements at a time; an
+    SBUF->SBUF transpose reaches 50% of DMA throughput with such blocks [AT2]: a [128, 128] bf16
+    transpose (32 KiB) streams at 16 x BW_q / 2, not at the rate of its 256 B partition rows."""
+    x = np.ones((128, 128), BF16)
+    t4 = estimate(sbuf_transposes, x, 4, 128, target=tgt).engine_busy_ns["dma"]
+    t12 = estimate(sbuf_transposes, x, 12, 128, target=tgt).engine_busy_ns["dma"]
+    per = (t12 - t4) / 8                                    # busy time of one transpose, per queue
+    assert per == pytest.approx(128 * 128 * 2 / (16 * bw * 0.5), rel=0.02)
+
+
+def test_dma_transpose_pads_partial_blocks():
+    """Output rows of 8 elements fill half a [128, 16] block and cost a whole one; 64 output
+    partitions cost a full 128-partition block [AT2: multiples of 128 and 16 for best throughput]."""
+    busy = {}
+    for rows, cols in ((128, 128), (8, 128), (16, 128), (128, 64)):
+        busy[rows, cols] = estimate(sbuf_transposes, np.ones((rows, 128), BF16), 8, cols,
+                                    target="trn2").engine_busy_ns["dma"]
+    load = {r: estimate(sbuf_transposes, np.ones((r, 128), BF16), 0, 128,
+                        target="trn2").engine_busy_ns["dma"] for r in (8, 16, 128)}
+    one = {k: (v - load[k[0]]) / 8 for k, v in busy.items()}
+    assert one[8, 128] == pytest.approx(one[16, 128], rel=1e-6)       # half block = whole block
+    assert one[16, 128] == pytest.approx(one[128, 128] / 8, rel=1e-6)
+    assert one[128, 64] == pytest.approx(one[128, 128], rel=1e-6)     # 64 partitions: padded
+
+
+def test_dma_transpose_blocks_is_v3_and_later():
+    """NC-v2 (Trn1) has no cooperative block transpose: its DMA transposes keep the per-partition
+    descriptor pricing; the switch off on Trn2 gives that pricing too."""
+    x = np.ones((128, 128), BF16)
+    blocks = estimate(sbuf_transposes, x, 8, 128, target="trn2").engine_busy_ns["dma"]
+    from nki_kernels.emulator.cost import model_trace as mt
+    from nki_kernels.emulator.trace import trace as tr
+    with tr() as t:
+        with target("trn2"):
+            sbuf_transposes(x, 8, 128)
+    rows = mt(t, "trn2", params={"dma_transpose_blocks": False}).engine_busy_ns["dma"]
+    assert rows > 3 * blocks
+    assert not hardware.cost_params("trn1").dma_transpose_blocks
+    assert hardware.cost_params("trn2").dma_transpose_blocks
+
+
 @pytest.mark.parametrize("tgt", ["trn2", "trn3"])
 def test_trivial_kernel_is_about_3_us(tgt):
     # nrtpy: a [4, 3] fp16 add kernel (2 loads, 1 add, 1 store) takes 3.0-3.2 us device time
