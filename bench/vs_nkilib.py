@@ -198,6 +198,10 @@ class Pair:
     ours: Callable
     theirs: Callable
     variants: tuple = ("",)
+    own_lnc: bool = False      # the bench case names its LNC (decode rows): only that one runs
+
+    def case_lncs(self, case) -> tuple:
+        return tuple(n for n in self.lncs if not self.own_lnc or n == case.lnc)
 
 
 # --- rmsnorm_quant
@@ -459,6 +463,262 @@ def _theirs_flash_attention(lib, case, inputs, lnc, variant=""):
                       lambda out: attention_from_theirs(out, B, Hq))
 
 
+# --- decode_attention
+
+
+def _ours_own_lnc(case, lnc):
+    """Our op at the LNC its bench case names (decode_attention's rows carry their own LNC)."""
+    if lnc != case.lnc:
+        raise NoEquivalent(f"this bench row runs ours at LNC {case.lnc}")
+    return case.run
+
+
+def decode_to_theirs(q, k, v, seq_lens, table=None, *, scale, k_scale=None, kv_dtype=None):
+    """Our decode problem (``reference.decode_attention``: q [B, s_q, Hq, d]; cache [B, S, Hkv, d]
+    or paged [blocks, block, Hkv, d] + table [B, n]; seq_lens counting the s_q new tokens, already
+    in the cache) as NKI Library's ``attention_tkg`` operands (qk_in_sb, tp_k_prior, use_pos_id).
+
+    Their kernel serves one KV head: the KV heads are folded into the batch, B' = B Hkv (row
+    b Hkv + h is our sequence b, KV head h, with its G = Hq / Hkv query heads). Their s_prior holds
+    the prior tokens and, in its last s_q slots, the active ones (k_active / v_active: our cache's
+    last s_q tokens of each sequence); their in-kernel mask (use_pos_id) shows prior positions
+    < rope_pos_ids = L - s_q, and the active block causally. Without fused RoPE they do not scale
+    q: q is multiplied by ``scale`` (and an FP8 cache's ``k_scale``) on the host, one bf16
+    rounding. ``kv_dtype``: the FP8 dtype their kernel takes (e4m3), converted to on the host.
+
+    Returns a dict: q [d, B' G s_q], k_active [d, B' s_q], v_active [B', 1, s_q, d], k_prior /
+    v_prior ([B', 1, S, d], or paged [blocks Hkv, block, d]), table [B', n] uint32 or None,
+    mask [s_q, B', G, s_q] uint8, pos [B', s_q] float32, and the dims (bs, q_head, s_active,
+    s_prior, block_len, d)."""
+    import ml_dtypes
+
+    from nki_kernels.reference.decode_attention import gather_kv
+    q = np.asarray(q)
+    B, s_q, Hq, d = q.shape
+    k, v = np.asarray(k), np.asarray(v)
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    B2 = B * Hkv
+    lens = [int(x) for x in np.asarray(seq_lens).reshape(-1)]
+    if min(lens) < s_q:
+        raise NoEquivalent(f"a sequence shorter than s_q = {s_q}: their active tokens always sit "
+                           f"at the end of s_prior")
+    f = np.float32(scale) * np.float32(1.0 if k_scale is None else k_scale)
+    qs = (q.astype(np.float32) * f).astype(ml_dtypes.bfloat16)
+    qs = qs.reshape(B, s_q, Hkv, G, d).transpose(4, 0, 2, 3, 1).reshape(d, B2 * G * s_q)
+    act_k = np.stack([gather_kv(k, b, L, table)[L - s_q:] for b, L in enumerate(lens)])
+    act_v = np.stack([gather_kv(v, b, L, table)[L - s_q:] for b, L in enumerate(lens)])
+
+    def cast(a):
+        if kv_dtype is None or a.dtype == np.dtype(kv_dtype):
+            return np.ascontiguousarray(a)
+        lim = float(ml_dtypes.finfo(kv_dtype).max)
+        af = a.astype(np.float32)
+        if not np.all(np.abs(af) <= lim):
+            raise NoEquivalent(f"cache values beyond their FP8 {np.dtype(kv_dtype).name} range "
+                               f"(max {lim})")
+        return af.astype(kv_dtype)
+    k_active = cast(act_k.transpose(3, 0, 2, 1).reshape(d, B2 * s_q))     # [s_q, Hkv, d] per b
+    v_active = cast(act_v.transpose(0, 2, 1, 3).reshape(B2, 1, s_q, d))
+    if table is None:
+        S = -(-max(lens) // 128) * 128
+        if S > k.shape[1]:
+            raise NoEquivalent(f"their s_prior must be a multiple of 128; the cache holds "
+                               f"{k.shape[1]} tokens")
+        k_prior, v_prior = (cast(a[:, :S].transpose(0, 2, 1, 3).reshape(B2, 1, S, d))
+                            for a in (k, v))
+        table2, block = None, 0
+    else:
+        nb, block = k.shape[:2]
+        t = np.asarray(table, dtype=np.int64)
+        S = t.shape[1] * block
+        k_prior, v_prior = (cast(a.transpose(0, 2, 1, 3).reshape(nb * Hkv, block, d))
+                            for a in (k, v))
+        table2 = (t[:, None, :] * Hkv + np.arange(Hkv)[None, :, None]).reshape(B2, -1)
+        table2 = np.ascontiguousarray(table2.astype(np.uint32))
+    j, i = np.meshgrid(np.arange(s_q), np.arange(s_q), indexing="ij")
+    mask = np.ascontiguousarray(np.broadcast_to((j <= i).astype(np.uint8)[:, None, None, :],
+                                                (s_q, B2, G, s_q)))
+    pos = np.repeat(np.asarray(lens, np.float32) - s_q, Hkv)[:, None] * np.ones((1, s_q),
+                                                                              np.float32)
+    return dict(q=np.ascontiguousarray(qs), k_active=k_active, v_active=v_active,
+                k_prior=k_prior, v_prior=v_prior, table=table2, mask=mask,
+                pos=np.ascontiguousarray(pos), bs=B2, q_head=G, s_active=s_q, s_prior=S,
+                block_len=block, d=d)
+
+
+def decode_from_theirs(out, B, Hkv, v_scale=None):
+    """NKI Library's attention_tkg output [B Hkv, G, d, s_q] (out_in_sb False) as ours
+    [B, s_q, Hq, d] (query head h = kv head * G + g); an FP8 cache's ``v_scale`` is applied here,
+    on the host (their kernel takes no dequantization scale), not charged to them."""
+    import ml_dtypes
+    o = np.asarray(out[0] if isinstance(out, (list, tuple)) else out)
+    _, G, d, s_q = o.shape
+    o = o.reshape(B, Hkv, G, d, s_q).transpose(0, 4, 1, 2, 3).reshape(B, s_q, Hkv * G, d)
+    if v_scale is not None:
+        o = (o.astype(np.float32) * np.float32(v_scale)).astype(ml_dtypes.bfloat16)
+    return np.ascontiguousarray(o)
+
+
+_TKG_CALL = {}
+
+
+def _attention_tkg_call(m, alloc, logging):
+    """A jit kernel around NKI Library's ``attention_tkg`` (a subroutine taking an SBUF manager
+    and its output): builds the manager over the SBUF less 16 KiB, loads q and k_active into
+    SBUF (qk_in_sb, which their block-KV and FP8 paths require; charged to them) and returns
+    ``out`` [B, q_head, d, s_active] in HBM."""
+    key = id(m)
+    if key in _TKG_CALL:
+        return _TKG_CALL[key]
+    import importlib
+    nki = importlib.import_module("nki")
+    nl, nisa = _nl(), importlib.import_module("nki.isa")
+
+    def attention_tkg_call(q, k_active, v_active, k_prior, v_prior, mask, pos, table, cfg):
+        sbm = alloc.SbufManager(0, nl.tile_size.total_available_sbuf_size - 16 * 1024,
+                                logging.Logger("vs_nkilib"))
+        sbm.open_scope()
+        out = nl.ndarray((cfg.bs, cfg.q_head, cfg.d_head, cfg.s_active), dtype=q.dtype,
+                         buffer=nl.shared_hbm)
+        q_sb = sbm.alloc_stack(q.shape, dtype=q.dtype, buffer=nl.sbuf)
+        k_sb = sbm.alloc_stack(k_active.shape, dtype=k_active.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(q_sb, q)
+        nisa.dma_copy(k_sb, k_active)
+        out, _ = m.attention_tkg(q_sb, k_sb, v_active, k_prior, v_prior, mask, out, cfg, sbm,
+                                 None, pos, None, None, table, None)
+        sbm.close_scope()
+        return out
+    _TKG_CALL[key] = nki.jit(attention_tkg_call)
+    return _TKG_CALL[key]
+
+
+DECODE_FP8_SCALE = 0.05         # bench/defs/decode_attention.py: k_scale = v_scale of FP8 rows
+
+
+def _theirs_decode_attention(lib, case, inputs, lnc, variant=""):
+    import math
+    q, k, v, seq_lens, table = inputs
+    lens = [int(x) for x in np.asarray(seq_lens)]
+    if len(set(lens)) > 1:
+        raise NoEquivalent(f"attention_tkg takes one s_prior for the whole batch (a shorter "
+                           f"sequence is only masked): this batch ({max(lens)} and {min(lens)} "
+                           f"tokens) would read every sequence at {max(lens)} tokens, "
+                           f"{len(lens) * max(lens) / sum(lens):.0f}x the cache bytes; not run")
+    m = load(lib, "core.attention.attention_tkg")
+    utils = load(lib, "core.attention.attention_tkg_utils")
+    alloc = load(lib, "core.utils.allocator")
+    logging = load(lib, "core.utils.logging")
+    fp8 = case.dtype.startswith("fp8")
+    d = q.shape[-1]
+    a = decode_to_theirs(q, k, v, seq_lens, table, scale=1.0 / math.sqrt(d),
+                         k_scale=DECODE_FP8_SCALE if fp8 else None,
+                         kv_dtype=_nl().float8_e4m3 if fp8 else None)
+    paged = a["table"] is not None
+    with _nki03():
+        cfg = utils.AttnTKGConfig(bs=a["bs"], q_head=a["q_head"], s_active=a["s_active"],
+                                  curr_sprior=a["s_prior"], full_sprior=a["s_prior"], d_head=d,
+                                  block_len=a["block_len"], tp_k_prior=True,
+                                  strided_mm1=not paged, use_pos_id=True, qk_in_sb=True)
+    B, Hkv = q.shape[0], k.shape[2]
+    name = (f"attention_tkg ({'block KV' if paged else 'flat KV'}, {a['bs']} = B x {Hkv} KV "
+            f"heads folded, in-kernel mask{', FP8 KV; v_scale on the host' if fp8 else ''})")
+    args = (a["q"], a["k_active"], a["v_active"], a["k_prior"], a["v_prior"], a["mask"],
+            a["pos"], a["table"], cfg)
+    return Launch.one(name, _attention_tkg_call(m, alloc, logging), args, {},
+                      lambda out: decode_from_theirs(out, B, Hkv,
+                                                     DECODE_FP8_SCALE if fp8 else None))
+
+
+# --- fused_moe
+
+
+def _ours_fused_moe(case, lnc):
+    if lnc != 1:
+        raise NoEquivalent("our fused_moe runs on one NeuronCore (no LNC 2)")
+    return case.run
+
+
+def moe_weights_to_theirs(wgu, wd, gu_scale=None, d_scale=None):
+    """Our experts (w_gate_up [E, H, 2I]: gate columns [0, I), up [I, 2I); w_down [E, I, H];
+    FP8 per-column scales [E, 2I] / [E, H]) as NKI Library's moe_tkg operands: gate_up
+    [E, H, 2, I], down [E, I, H], scales [E, 2, I] / [E, H] (reshapes of the same bytes)."""
+    wgu, wd = np.asarray(wgu), np.asarray(wd)
+    E, H, I2 = wgu.shape
+    out = [wgu.reshape(E, H, 2, I2 // 2), wd]
+    if gu_scale is not None:
+        out += [np.asarray(gu_scale, np.float32).reshape(E, 2, I2 // 2),
+                np.asarray(d_scale, np.float32).reshape(E, -1)]
+    return out
+
+
+def moe_routing_to_theirs(weights, ids, n_experts):
+    """Our routing (top-k weights [T, k] fp32, expert ids [T, k]) as moe_tkg's: dense affinities
+    [T, E] float32 (the token's weight at each chosen expert, 0 elsewhere; their POST_SCALE mode
+    reads affinities[t, index[t, j]]) and expert_index [T, k] int32."""
+    w = np.asarray(weights, np.float32)
+    ids = np.asarray(ids)
+    T, k = ids.shape
+    if ids.size and (ids.min() < 0 or ids.max() >= n_experts):
+        raise NoEquivalent(f"expert ids outside [0, {n_experts}): moe_tkg's selective mode "
+                           f"indexes the local experts only")
+    for t in range(T):
+        if len(set(ids[t].tolist())) != k:
+            raise NoEquivalent("a token chose the same expert twice")
+    aff = np.zeros((T, n_experts), np.float32)
+    np.put_along_axis(aff, ids.astype(np.int64), w, axis=1)
+    return aff, np.ascontiguousarray(ids.astype(np.int32))
+
+
+def _theirs_fused_moe(lib, case, inputs, lnc, variant=""):
+    T, E = case.dims["T"], case.dims["E"]
+    if case.dtype == "mx":
+        raise NoEquivalent("their MX moe_tkg takes MXFP4 / MXFP8 experts in its own layout "
+                           "([E, 128, 2, H/512, I] x4 with [E, 16, 2, H/512, I] scales); a "
+                           "converter from ours is not written")
+    x, w, ids, wgu, wd, *rest = inputs
+    n_shared = 2 if len(rest) in (2, 4) else 0
+    if n_shared:
+        raise NoEquivalent("moe_tkg has no shared expert (this layer has one)")
+    if T > 128:
+        if variant == "all":
+            raise OtherRegime(f"T = {T}: prefill")
+        raise NoEquivalent(f"T = {T}: moe_tkg serves decode (selective experts: T <= 128); "
+                           f"the prefill kernel moe_cte is not paired yet")
+    if np.asarray(ids).max() >= E:
+        raise NoEquivalent(f"expert parallelism ({E} local experts): not paired")
+    m = load(lib, "core.moe.moe_tkg.moe_tkg")
+    types = load(lib, "core.utils.common_types")
+    scales = rest[n_shared:]
+    ws = moe_weights_to_theirs(wgu, wd, *(scales[:2] if scales else ()))
+    aff, idx = moe_routing_to_theirs(w, ids, E)
+    kw = dict(is_all_expert=variant == "all",
+              expert_affinities_scaling_mode=types.ExpertAffinityScaleMode.POST_SCALE,
+              activation_fn=types.ActFnType.SiLU)
+    if variant == "all":   # every local expert for every token; rank 0 holds them all; bf16
+        import ml_dtypes
+        aff = aff.astype(ml_dtypes.bfloat16)     # affinities, as their all-expert tests pass them
+        kw["rank_id"] = np.zeros((1, 1), np.uint32)
+    if scales:
+        kw.update(expert_gate_up_weights_scale=ws[2], expert_down_weights_scale=ws[3])
+    mode = "all experts" if variant == "all" else "selective experts"
+    return Launch.one(f"moe_tkg ({mode}, POST_SCALE{', ROW fp8' if scales else ''})",
+                      _jit(m.moe_tkg), (np.asarray(x), ws[0], ws[1], aff, idx), kw,
+                      lambda out: np.asarray(out[0] if isinstance(out, (list, tuple)) else out))
+
+
+_JITTED = {}
+
+
+def _jit(fn):
+    """``nki.jit(fn)`` once per function: NKI Library's subroutine-style kernels (moe_tkg) as a
+    launchable kernel, as their test harness launches them."""
+    if id(fn) not in _JITTED:
+        import importlib
+        _JITTED[id(fn)] = importlib.import_module("nki").jit(fn)
+    return _JITTED[id(fn)]
+
+
 PAIRS = {
     "rmsnorm_quant": Pair("rmsnorm_quant", "core/rmsnorm", (1, 2), _ours_rmsnorm_quant,
                           _theirs_rmsnorm_quant),
@@ -467,6 +727,10 @@ PAIRS = {
                      ("cte", "tkg")),
     "flash_attention": Pair("flash_attention", "core/attention", (1,), _ours_flash_attention,
                             _theirs_flash_attention),
+    "decode_attention": Pair("decode_attention", "core/attention", (1, 2), _ours_own_lnc,
+                             _theirs_decode_attention, own_lnc=True),
+    "fused_moe": Pair("fused_moe", "core/moe", (1,), _ours_fused_moe, _theirs_fused_moe,
+                      ("selective", "all")),
 }
 
 
@@ -595,7 +859,7 @@ def run(lib: NkiLib, ops=None, tier: str = harness.DEFAULT_TIER, target: str = "
     if not measured and harness.backend_name() != "emulator":
         raise harness.BenchError("--vs-nkilib: modeled time needs the emulator backend; run with "
                                  "--modeled, or pass --measured on a device")
-    selected = [(p, c, n) for p, c in select(ops, tier, target, shape) for n in p.lncs
+    selected = [(p, c, n) for p, c in select(ops, tier, target, shape) for n in p.case_lncs(c)
                 if n in lncs]
     _emulated[0] = not measured
     sha, date = harness.git_sha(), harness.now_iso()
@@ -764,7 +1028,7 @@ def main(args) -> int:
         try:
             for p, c in select(ops, tier, args.target, args.shape):
                 print(f"{c.op:<16} {p.family:<14} {c.shape:<34} {c.dtype:<14} LNC "
-                      f"{','.join(map(str, p.lncs))}")
+                      f"{','.join(map(str, p.case_lncs(c)))}")
         except harness.BenchError as e:
             print(f"nki-kernels bench: {e}", file=sys.stderr)
             return 2

@@ -7,6 +7,7 @@ pairs against a checkout named by ``NKILIB_PATH`` (slow; skipped otherwise).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -267,7 +268,8 @@ def test_variants_share_one_run_of_ours(monkeypatch):
 def test_pairs_select_default_tier_without_a_checkout():
     sel = V.select(None, "default", "trn3")
     ops = {c.op for _, c in sel}
-    assert ops == {"rmsnorm_quant", "swiglu_mlp", "qkv_proj", "flash_attention"}
+    assert ops == {"rmsnorm_quant", "swiglu_mlp", "qkv_proj", "flash_attention",
+                   "decode_attention", "fused_moe"}
     assert all(p.op == c.op for p, c in sel)
     assert V.select(["rmsnorm_quant"], "default", "trn3", shape="llama")[0][1].shape.startswith(
         "llama-3-8b")
@@ -332,3 +334,149 @@ def test_measured_stages_add_and_chain(monkeypatch):
     assert res["time_ns"] == 2000.0
     np.testing.assert_array_equal(out, (x + 1) * 3)
     assert seen[0][0] is x and np.array_equal(seen[1][0], x + 1)
+
+
+# ------------------------------------------------------------------------------ decode / MoE
+
+
+def _their_tkg(a):
+    """NKI Library's attention_tkg semantics (their docstring and torch reference), in NumPy over
+    the adapter's operands: prior slots j < pos visible, the last s_active slots replaced by the
+    active keys / values with a causal mask, softmax of q . k (no scale: q comes scaled)."""
+    d, B2, G, s = a["d"], a["bs"], a["q_head"], a["s_active"]
+    S = a["s_prior"]
+    q = a["q"].astype(np.float64).reshape(d, B2, G, s)
+    ka = a["k_active"].astype(np.float64).reshape(d, B2, s)
+    va = a["v_active"].astype(np.float64).reshape(B2, s, d)
+    if a["table"] is None:
+        kp = a["k_prior"].astype(np.float64)[:, 0]
+        vp = a["v_prior"].astype(np.float64)[:, 0]
+    else:
+        kp = a["k_prior"].astype(np.float64)[a["table"].astype(np.int64)].reshape(B2, S, d)
+        vp = a["v_prior"].astype(np.float64)[a["table"].astype(np.int64)].reshape(B2, S, d)
+    kp, vp = kp.copy(), vp.copy()
+    kp[:, S - s:] = ka.transpose(1, 2, 0)
+    vp[:, S - s:] = va
+    out = np.zeros((B2, G, d, s))
+    for b in range(B2):
+        vis = np.zeros((S, s), bool)
+        vis[:int(a["pos"][b, 0])] = True
+        vis[S - s:] = a["mask"][:, b, 0, :].astype(bool)
+        for g in range(G):
+            sc = kp[b] @ q[:, b, g, :]                          # [S, s]
+            sc = np.where(vis, sc, -np.inf)
+            p = np.exp(sc - sc.max(axis=0))
+            out[b, g] = (vp[b].T @ p) / p.sum(axis=0)
+    return out
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_adapters_fold_heads_and_match_the_reference(paged):
+    from nki_kernels.reference.decode_attention import decode_attention_ref
+    rng = np.random.default_rng(4)
+    B, s_q, Hkv, G, d, L, bs = 2, 2, 2, 3, 8, 256, 64
+    q = rng.standard_normal((B, s_q, Hkv * G, d)).astype(BF16)
+    if paged:
+        nb = B * L // bs
+        k, v = (rng.standard_normal((nb, bs, Hkv, d)).astype(BF16) for _ in range(2))
+        table = rng.permutation(nb).astype(np.int32).reshape(B, L // bs)
+    else:
+        k, v = (rng.standard_normal((B, L, Hkv, d)).astype(BF16) for _ in range(2))
+        table = None
+    lens = np.array([L, L], np.int32)
+    a = V.decode_to_theirs(q, k, v, lens, table, scale=d ** -0.5)
+    B2 = B * Hkv
+    assert a["q"].shape == (d, B2 * G * s_q) and a["k_active"].shape == (d, B2 * s_q)
+    assert a["v_active"].shape == (B2, 1, s_q, d) and a["mask"].shape == (s_q, B2, G, s_q)
+    assert a["s_prior"] == L and (a["block_len"] == (bs if paged else 0))
+    if paged:
+        assert a["k_prior"].shape == (B * L // bs * Hkv, bs, d) and a["table"].dtype == np.uint32
+    else:
+        assert a["k_prior"].shape == (B2, 1, L, d)
+    np.testing.assert_array_equal(a["pos"], np.full((B2, s_q), L - s_q, np.float32))
+    got = V.decode_from_theirs(_their_tkg(a).astype(BF16), B, Hkv)
+    want = decode_attention_ref(q, k, v, lens, block_table=table, compute_dtype=np.float64)
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), atol=0.02)
+    # a wrong head fold would pair query heads with another group's KV head
+    wrong = V.decode_from_theirs(_their_tkg(a).astype(BF16)[:, ::-1], B, Hkv)
+    assert np.abs(wrong.astype(np.float32) - want.astype(np.float32)).max() > 0.05
+
+
+def test_decode_fp8_scales_and_their_dtype():
+    rng = np.random.default_rng(5)
+    B, s_q, Hkv, G, d, L = 1, 1, 1, 2, 8, 128
+    q = rng.standard_normal((B, s_q, G, d)).astype(BF16)
+    k, v = (rng.standard_normal((B, L, Hkv, d)).astype(ml_dtypes.float8_e4m3fn) for _ in range(2))
+    a = V.decode_to_theirs(q, k, v, [L], None, scale=0.25, k_scale=0.5,
+                           kv_dtype=ml_dtypes.float8_e4m3)
+    assert a["k_prior"].dtype == np.dtype(ml_dtypes.float8_e4m3)
+    np.testing.assert_array_equal(a["k_prior"][0, 0].astype(np.float32),
+                                  k[0, :, 0].astype(np.float32))
+    np.testing.assert_array_equal(a["q"][:, 0].astype(np.float32),
+                                  q[0, 0, 0].astype(np.float32) * 0.125)
+    o = np.ones((1, G, d, 1), BF16)
+    np.testing.assert_array_equal(V.decode_from_theirs(o, 1, 1, v_scale=0.5).astype(np.float32),
+                                  np.full((1, 1, G, d), 0.5, np.float32))
+
+
+def _case(op, dtype="bf16", **dims):
+    return BenchCase(op=op, shape="toy", dims=dims, dtype=dtype, make_inputs=None, run=None,
+                     flops=1, bytes=1, check=None)
+
+
+def test_decode_skewed_batch_and_moe_variants_have_no_equivalent():
+    lens = np.array([4096, 128], np.int32)
+    with pytest.raises(V.NoEquivalent, match="one s_prior for the whole batch"):
+        V._theirs_decode_attention(None, _case("decode_attention"), (None, None, None, lens, None),
+                                   1)
+    x = np.zeros((4, 8), BF16)
+    ids = np.zeros((4, 2), np.int32)
+    c = _case("fused_moe", T=4, E=8)
+    with pytest.raises(V.NoEquivalent, match="shared expert"):
+        V._theirs_fused_moe(None, c, (x, None, ids, None, None, "sg", "sd"), 1, "selective")
+    with pytest.raises(V.NoEquivalent, match="MX"):
+        V._theirs_fused_moe(None, _case("fused_moe", "mx", T=4, E=8), (x,), 1, "selective")
+    big = _case("fused_moe", T=4096, E=8)
+    with pytest.raises(V.OtherRegime):
+        V._theirs_fused_moe(None, big, (x, None, ids, None, None), 1, "all")
+    with pytest.raises(V.NoEquivalent, match="moe_cte is not paired"):
+        V._theirs_fused_moe(None, big, (x, None, ids, None, None), 1, "selective")
+
+
+def test_moe_adapters_layout_and_routing():
+    from nki_kernels.reference.fused_moe import fused_moe_ref
+    rng = np.random.default_rng(6)
+    T, H, I, E, k = 5, 16, 8, 4, 2
+    x = rng.standard_normal((T, H)).astype(BF16)
+    wgu = (rng.standard_normal((E, H, 2 * I)) * 0.3).astype(BF16)
+    wd = (rng.standard_normal((E, I, H)) * 0.3).astype(BF16)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    w = rng.uniform(0.1, 1, (T, k)).astype(np.float32)
+    gu, dn = V.moe_weights_to_theirs(wgu, wd)
+    assert gu.shape == (E, H, 2, I) and dn.shape == (E, I, H)
+    aff, idx = V.moe_routing_to_theirs(w, ids, E)
+    assert aff.shape == (T, E) and idx.dtype == np.int32
+    np.testing.assert_array_equal(aff.sum(axis=1), w.sum(axis=1))
+    # their POST_SCALE selective formula over their layout
+    y = np.zeros((T, H), np.float32)
+    for t in range(T):
+        a = x[t].astype(np.float32)
+        for j in range(k):
+            e = idx[t, j]
+            g, u = a @ gu[e, :, 0].astype(np.float32), a @ gu[e, :, 1].astype(np.float32)
+            y[t] += aff[t, e] * ((g / (1 + np.exp(-g)) * u) @ dn[e].astype(np.float32))
+    ref = fused_moe_ref(x, wgu, wd, w, ids).astype(np.float32)
+    np.testing.assert_allclose(y, ref, rtol=2e-2, atol=2e-2)
+    sc = V.moe_weights_to_theirs(wgu, wd, np.arange(E * 2 * I, dtype=np.float32).reshape(E, -1),
+                                 np.ones((E, H), np.float32))
+    assert sc[2].shape == (E, 2, I) and sc[2][1, 1, 0] == 2 * I + I
+    with pytest.raises(V.NoEquivalent, match="outside"):
+        V.moe_routing_to_theirs(w, ids + E, E)
+
+
+def test_decode_rows_run_at_their_own_lnc():
+    pair = V.PAIRS["decode_attention"]
+    assert pair.case_lncs(_case("decode_attention")) == (1,)
+    two = dataclasses.replace(_case("decode_attention"), lnc=2)
+    assert pair.case_lncs(two) == (2,)
+    assert V.PAIRS["rmsnorm_quant"].case_lncs(two) == (1, 2)
