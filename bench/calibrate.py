@@ -13,6 +13,13 @@ Agreement is measured in time: ``ratio = t_modeled / t_published`` (for an MFU p
 one family is ordered correctly when the model ranks their times as the hardware did, or when the
 published figures are within ``tie`` of each other (2 MFU points for the GEMM ladder).
 
+A point whose kernel lives in a package (NKI Library's ``nkilib``) names ``import_root``, the
+folder inside its repository that goes on ``sys.path``: the kernel module is then imported by its
+dotted name, so its package-relative imports resolve, and ``--print-fetch`` extracts that whole
+folder. ``nki_version`` runs the point under the NKI version its code was written for (NKI
+Library's head: 0.3); ``metric`` is ``mfu`` or ``time_us`` (kernel time as a device profile shows
+it).
+
 ``--set NAME=VALUE`` re-models with one cost parameter changed (``dma_b_min=1024``): a
 sensitivity study, never a change of the defaults (those change only by a mechanism with a public
 source; see docs/cost-model.md).
@@ -37,7 +44,7 @@ TIE_MFU = 2.0   # published MFU points this close may be ordered either way (iss
 @dataclass
 class Result:
     point: dict
-    status: str                      # "ok" | "missing" | "refused" | "error"
+    status: str                      # "ok" | "missing" | "refused" | "error" | "skipped"
     modeled_ns: float = math.nan
     published_ns: float = math.nan
     modeled_mfu: float = math.nan
@@ -57,17 +64,31 @@ def load_points(path: Path = DATA) -> list[dict]:
     return json.loads(Path(path).read_text())["points"]
 
 
+def repo_dir(root: Path, point: dict) -> Path:
+    return Path(root) / point["repo"].replace("/", "+")
+
+
 def kernel_file(root: Path, point: dict) -> Path:
-    return Path(root) / point["repo"].replace("/", "+") / point["path"]
+    return repo_dir(root, point) / point["path"]
 
 
 def fetch_commands(points, root: Path) -> list[str]:
     """Shell commands that put each point's kernel file under ``root`` from a clone of its repo
-    (``CLONE_<owner>_<name>`` is the clone's git directory, e.g. what ``fetch`` brings)."""
-    out = []
+    (``CLONE_<owner>_<name>`` is the clone's git directory, e.g. what ``fetch`` brings); a point
+    with ``import_root`` gets that whole folder (its package), once per repository and commit."""
+    out, seen = [], set()
     for p in points:
         dst = kernel_file(root, p)
         var = "CLONE_" + p["repo"].replace("/", "_").replace("-", "_")
+        if p.get("import_root"):
+            key = (p["repo"], p["commit"], p["import_root"])
+            if key in seen:
+                continue
+            seen.add(key)
+            rd = repo_dir(root, p)
+            out.append(f'mkdir -p "{rd}" && git -C "${var}" archive {p["commit"]} '
+                       f'{p["import_root"]} | tar -x -C "{rd}"')
+            continue
         out.append(f'mkdir -p "{dst.parent}" && git -C "${var}" show {p["commit"]}:{p["path"]} '
                    f'> "{dst}"')
     return out
@@ -92,13 +113,26 @@ def _inputs(point: dict, fn) -> list:
     return out
 
 
-def _load_kernel(path: Path, name: str | None):
+def _import_package_module(path: Path, import_root: Path):
+    """Import ``path`` by its dotted name under ``import_root`` (put first on ``sys.path``), so a
+    kernel inside a package keeps its relative imports."""
+    rel = path.resolve().relative_to(import_root.resolve()).with_suffix("")
+    root = str(import_root.resolve())
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(".".join(rel.parts))
+
+
+def _load_kernel(path: Path, name: str | None, import_root: Path | None = None):
     from nki_kernels import emulator
-    modname = "nki_calibration_" + str(abs(hash(str(path))))
-    spec = importlib.util.spec_from_file_location(modname, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[modname] = mod
-    spec.loader.exec_module(mod)
+    if import_root is not None:
+        mod = _import_package_module(path, import_root)
+    else:
+        modname = "nki_calibration_" + str(abs(hash(str(path))))
+        spec = importlib.util.spec_from_file_location(modname, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = mod
+        spec.loader.exec_module(mod)
     kernels = {k: v for k, v in vars(mod).items() if isinstance(v, emulator.Kernel)}
     if name:
         return kernels[name]
@@ -109,18 +143,27 @@ def _load_kernel(path: Path, name: str | None):
 
 def trace_point(point: dict, root: Path):
     """Run one published kernel on the emulator (``install()`` done); returns its trace."""
+    import contextlib
+
     from nki_kernels.emulator import runtime as rt
+    from nki_kernels.emulator import versions
     from nki_kernels.emulator.trace import trace as _trace
-    k = _load_kernel(kernel_file(root, point), point.get("kernel"))
-    args = _inputs(point, k.fn)
-    with rt.target(point["target"]), _trace() as tr:
-        kk = k[point["lnc"]] if point.get("lnc", 1) != 1 else k
-        kk(*args, **point.get("kwargs", {}))
+    ver = point.get("nki_version")
+    with versions.nki_version(ver) if ver else contextlib.nullcontext():
+        iroot = point.get("import_root")
+        k = _load_kernel(kernel_file(root, point), point.get("kernel"),
+                         repo_dir(root, point) / iroot if iroot else None)
+        args = _inputs(point, k.fn)
+        with rt.target(point["target"]), _trace() as tr:
+            kk = k[point["lnc"]] if point.get("lnc", 1) != 1 else k
+            kk(*args, **point.get("kwargs", {}))
     return tr
 
 
-def run(points, root: Path, params=None, traces=None) -> list[Result]:
-    """Model every point whose file is present. ``traces`` (dict) caches traces between calls."""
+def run(points, root: Path, params=None, traces=None, heavy=False) -> list[Result]:
+    """Model every point whose file is present. ``traces`` (dict) caches traces between calls.
+    A point marked ``heavy`` (its emulation exceeds a laptop's memory or time) is reported as
+    skipped, with the reason, unless ``heavy``."""
     from nki_kernels.emulator import NkiValidationError, install
     from nki_kernels.emulator.cost import model_trace
     install()                    # the published kernels `import nki`: the emulator stands in
@@ -129,6 +172,9 @@ def run(points, root: Path, params=None, traces=None) -> list[Result]:
     for p in points:
         if not kernel_file(root, p).exists():
             results.append(Result(p, "missing", message=str(kernel_file(root, p))))
+            continue
+        if p.get("heavy") and not heavy:
+            results.append(Result(p, "skipped", message="heavy (--heavy runs it): " + p["heavy"]))
             continue
         try:
             if p["id"] not in traces:
@@ -222,6 +268,8 @@ def main(argv=None) -> int:
                     help="what-if: re-model with a cost parameter changed (repeatable)")
     ap.add_argument("--print-fetch", action="store_true",
                     help="print the git commands that place the kernel files, then exit")
+    ap.add_argument("--heavy", action="store_true",
+                    help="also run the points marked heavy (emulation needs > 8 GB or > 10 min)")
     ap.add_argument("--json", type=Path, help="write the results as JSON here")
     a = ap.parse_args(argv)
     points = [p for p in load_points(a.data) if not a.family or p["family"] == a.family]
@@ -232,7 +280,7 @@ def main(argv=None) -> int:
     for kv in a.set:
         k, _, v = kv.partition("=")
         params[k.strip()] = float(v) if "." in v or "e" in v.lower() else int(v)
-    results = run(points, a.kernels, params or None)
+    results = run(points, a.kernels, params or None, heavy=a.heavy)
     print("Cost model vs published hardware measurements (modeled: analytical cost model)"
           + (f"; what-if {params}" if params else ""))
     print(report(results))
