@@ -199,6 +199,7 @@ class Pair:
     theirs: Callable
     variants: tuple = ("",)
     own_lnc: bool = False      # the bench case names its LNC (decode rows): only that one runs
+    check: Callable | None = None   # (case) -> a check for both sides where the bench has none
 
     def case_lncs(self, case) -> tuple:
         return tuple(n for n in self.lncs if not self.own_lnc or n == case.lnc)
@@ -677,7 +678,8 @@ def _theirs_fused_moe(lib, case, inputs, lnc, variant=""):
                            "([E, 128, 2, H/512, I] x4 with [E, 16, 2, H/512, I] scales); a "
                            "converter from ours is not written")
     x, w, ids, wgu, wd, *rest = inputs
-    n_shared = 2 if len(rest) in (2, 4) else 0
+    fp8 = case.dtype == "fp8"   # bench/defs/fused_moe.py: (x, w, ids, wgu, wd, *shared, *scales)
+    n_shared = 2 if len(rest) == (6 if fp8 else 2) else 0
     if n_shared:
         raise NoEquivalent("moe_tkg has no shared expert (this layer has one)")
     if T > 128:
@@ -689,7 +691,7 @@ def _theirs_fused_moe(lib, case, inputs, lnc, variant=""):
         raise NoEquivalent(f"expert parallelism ({E} local experts): not paired")
     m = load(lib, "core.moe.moe_tkg.moe_tkg")
     types = load(lib, "core.utils.common_types")
-    scales = rest[n_shared:]
+    scales = rest[n_shared:n_shared + 2]
     ws = moe_weights_to_theirs(wgu, wd, *(scales[:2] if scales else ()))
     aff, idx = moe_routing_to_theirs(w, ids, E)
     kw = dict(is_all_expert=variant == "all",
@@ -705,6 +707,40 @@ def _theirs_fused_moe(lib, case, inputs, lnc, variant=""):
     return Launch.one(f"moe_tkg ({mode}, POST_SCALE{', ROW fp8' if scales else ''})",
                       _jit(m.moe_tkg), (np.asarray(x), ws[0], ws[1], aff, idx), kw,
                       lambda out: np.asarray(out[0] if isinstance(out, (list, tuple)) else out))
+
+
+MOE_FP8_COSINE = 0.999          # bench/defs/swiglu_mlp.py's FP8 rule (FP8_COSINE)
+
+
+def _fused_moe_fp8_check(case):
+    """The FP8 rows' check (the bench's fused_moe check compares bf16 and MX rows only), on the
+    first and last rows: cosine similarity >= MOE_FP8_COSINE with ``reference.fused_moe`` on the
+    dequantized FP8 weights, with the activations quantized per token to e4m3 (W8A8: ours, and
+    the rule of the swiglu_mlp bench) or left unquantized (W8A16), whichever is closer: a side may
+    compute either way. The same rule for both sides."""
+    if case.dtype != "fp8":
+        return None
+    import ml_dtypes
+
+    from nki_kernels.bench.defs import check_rows
+    from nki_kernels.reference.compare import cosine_similarity
+    from nki_kernels.reference.fused_moe import fused_moe_ref
+
+    def check(inputs, y):
+        x, w, ids, wgu, wd, *rest = inputs      # rest: [shared g|u, shared down,] scales
+        sh = len(rest) == 6
+        kw = dict(gate_up_scale=rest[2 if sh else 0], down_scale=rest[3 if sh else 1])
+        if sh:
+            kw.update(shared=tuple(rest[:2]), shared_scales=tuple(rest[4:]))
+        rows = check_rows(x.shape[0])
+        yr = np.asarray(y, np.float32)[rows]
+        cs = {a: cosine_similarity(yr, fused_moe_ref(x[rows], wgu, wd, w[rows], ids[rows],
+                                                     act_dtype=dt, **kw).astype(np.float32))
+              for a, dt in (("W8A8", ml_dtypes.float8_e4m3), ("W8A16", None))}
+        best = max(cs, key=cs.get)
+        assert cs[best] >= MOE_FP8_COSINE, (f"fused_moe {case.shape} fp8: cosine similarity "
+                                            f"{cs['W8A8']:.6f} (W8A8), {cs['W8A16']:.6f} (W8A16)")
+    return check
 
 
 _JITTED = {}
@@ -730,7 +766,7 @@ PAIRS = {
     "decode_attention": Pair("decode_attention", "core/attention", (1, 2), _ours_own_lnc,
                              _theirs_decode_attention, own_lnc=True),
     "fused_moe": Pair("fused_moe", "core/moe", (1,), _ours_fused_moe, _theirs_fused_moe,
-                      ("selective", "all")),
+                      ("selective", "all"), check=_fused_moe_fp8_check),
 }
 
 
@@ -887,6 +923,9 @@ def run_one(lib, pair: Pair, case, lnc: int, target: str, *, measured: bool = Fa
     source = "measured" if measured else "modeled"
     inputs = case.make_inputs(harness.case_rng(case, seed))
     case_l = dataclasses.replace(case, lnc=lnc)
+    extra = pair.check(case) if pair.check is not None else None
+    if extra is not None:
+        case_l = dataclasses.replace(case_l, check=extra)
 
     def ours_run():
         c = dataclasses.replace(case_l, run=pair.ours(case, lnc))

@@ -480,3 +480,39 @@ def test_decode_rows_run_at_their_own_lnc():
     two = dataclasses.replace(_case("decode_attention"), lnc=2)
     assert pair.case_lncs(two) == (2,)
     assert V.PAIRS["rmsnorm_quant"].case_lncs(two) == (1, 2)
+
+
+def test_fused_moe_fp8_check_can_fail():
+    from nki_kernels.reference.fused_moe import fused_moe_ref
+    from nki_kernels.reference.swiglu_mlp import quantize_fp8_per_channel
+    rng = np.random.default_rng(7)
+    T, H, I, E, k = 6, 64, 32, 4, 2
+    x = rng.standard_normal((T, H)).astype(BF16)
+    gq, gs = zip(*(quantize_fp8_per_channel(rng.standard_normal((H, 2 * I)).astype(np.float32)
+                                            * H ** -0.5, ml_dtypes.float8_e4m3) for _ in range(E)))
+    dq, ds = zip(*(quantize_fp8_per_channel(rng.standard_normal((I, H)).astype(np.float32)
+                                            * I ** -0.5, ml_dtypes.float8_e4m3) for _ in range(E)))
+    wgu, wd, sgu, sd = np.stack(gq), np.stack(dq), np.stack(gs), np.stack(ds)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    w = rng.uniform(0.1, 1, (T, k)).astype(np.float32)
+    inputs = (x, w, ids, wgu, wd, sgu, sd)
+    assert V._fused_moe_fp8_check(_case("fused_moe", "bf16")) is None
+    check = V._fused_moe_fp8_check(_case("fused_moe", "fp8"))
+    check(inputs, fused_moe_ref(x, wgu, wd, w, ids, gate_up_scale=sgu, down_scale=sd))
+    with pytest.raises(AssertionError, match="cosine similarity"):     # routing weights swapped
+        check(inputs, fused_moe_ref(x, wgu, wd, w[:, ::-1], ids, gate_up_scale=sgu,
+                                    down_scale=sd))
+
+
+def test_pair_check_replaces_the_bench_check_for_both_sides(monkeypatch):
+    pair, good = _fake_pair(np.ones((4, 128), np.float32))
+
+    def strict(case):
+        def check(inputs, out):
+            raise AssertionError("pair check")
+        return check
+    (row,) = _rows(monkeypatch, dataclasses.replace(pair, check=strict), good, _check)
+    assert row["ours"]["check"] == row["nkilib"]["check"] == "failed"
+    assert "pair check" in row["nkilib"]["error"]
+    (row,) = _rows(monkeypatch, dataclasses.replace(pair, check=lambda c: None), good, _check)
+    assert row["ours"]["check"] == row["nkilib"]["check"] == "passed"
