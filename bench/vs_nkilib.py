@@ -474,7 +474,8 @@ def _ours_own_lnc(case, lnc):
     return case.run
 
 
-def decode_to_theirs(q, k, v, seq_lens, table=None, *, scale, k_scale=None, kv_dtype=None):
+def decode_to_theirs(q, k, v, seq_lens, table=None, *, scale, k_scale=None, kv_dtype=None,
+                     k_transposed=False):
     """Our decode problem (``reference.decode_attention``: q [B, s_q, Hq, d]; cache [B, S, Hkv, d]
     or paged [blocks, block, Hkv, d] + table [B, n]; seq_lens counting the s_q new tokens, already
     in the cache) as NKI Library's ``attention_tkg`` operands (qk_in_sb, tp_k_prior, use_pos_id).
@@ -486,6 +487,8 @@ def decode_to_theirs(q, k, v, seq_lens, table=None, *, scale, k_scale=None, kv_d
     < rope_pos_ids = L - s_q, and the active block causally. Without fused RoPE they do not scale
     q: q is multiplied by ``scale`` (and an FP8 cache's ``k_scale``) on the host, one bf16
     rounding. ``kv_dtype``: the FP8 dtype their kernel takes (e4m3), converted to on the host.
+    ``k_transposed`` (flat caches): K stored [B', 1, d, S] (their tp_k_prior False), transposed on
+    the host.
 
     Returns a dict: q [d, B' G s_q], k_active [d, B' s_q], v_active [B', 1, s_q, d], k_prior /
     v_prior ([B', 1, S, d], or paged [blocks Hkv, block, d]), table [B', n] uint32 or None,
@@ -528,6 +531,8 @@ def decode_to_theirs(q, k, v, seq_lens, table=None, *, scale, k_scale=None, kv_d
                                f"{k.shape[1]} tokens")
         k_prior, v_prior = (cast(a[:, :S].transpose(0, 2, 1, 3).reshape(B2, 1, S, d))
                             for a in (k, v))
+        if k_transposed:
+            k_prior = np.ascontiguousarray(k_prior.transpose(0, 1, 3, 2))
         table2, block = None, 0
     else:
         nb, block = k.shape[:2]
@@ -606,6 +611,8 @@ def _theirs_decode_attention(lib, case, inputs, lnc, variant=""):
                            f"sequence is only masked): this batch ({max(lens)} and {min(lens)} "
                            f"tokens) would read every sequence at {max(lens)} tokens, "
                            f"{len(lens) * max(lens) / sum(lens):.0f}x the cache bytes; not run")
+    if variant == "kT" and table is not None:
+        raise OtherRegime("block KV: their kernel always transposes K while loading (tp_k_prior)")
     m = load(lib, "core.attention.attention_tkg")
     utils = load(lib, "core.attention.attention_tkg_utils")
     alloc = load(lib, "core.utils.allocator")
@@ -614,15 +621,17 @@ def _theirs_decode_attention(lib, case, inputs, lnc, variant=""):
     d = q.shape[-1]
     a = decode_to_theirs(q, k, v, seq_lens, table, scale=1.0 / math.sqrt(d),
                          k_scale=DECODE_FP8_SCALE if fp8 else None,
-                         kv_dtype=_nl().float8_e4m3 if fp8 else None)
+                         kv_dtype=_nl().float8_e4m3 if fp8 else None,
+                         k_transposed=variant == "kT")
     paged = a["table"] is not None
     with _nki03():
         cfg = utils.AttnTKGConfig(bs=a["bs"], q_head=a["q_head"], s_active=a["s_active"],
                                   curr_sprior=a["s_prior"], full_sprior=a["s_prior"], d_head=d,
-                                  block_len=a["block_len"], tp_k_prior=True,
+                                  block_len=a["block_len"], tp_k_prior=variant != "kT",
                                   strided_mm1=not paged, use_pos_id=True, qk_in_sb=True)
     B, Hkv = q.shape[0], k.shape[2]
-    name = (f"attention_tkg ({'block KV' if paged else 'flat KV'}, {a['bs']} = B x {Hkv} KV "
+    kv = "block KV" if paged else ("flat KV, K stored [d, S]" if variant == "kT" else "flat KV")
+    name = (f"attention_tkg ({kv}, {a['bs']} = B x {Hkv} KV "
             f"heads folded, in-kernel mask{', FP8 KV; v_scale on the host' if fp8 else ''})")
     args = (a["q"], a["k_active"], a["v_active"], a["k_prior"], a["v_prior"], a["mask"],
             a["pos"], a["table"], cfg)
@@ -764,7 +773,7 @@ PAIRS = {
     "flash_attention": Pair("flash_attention", "core/attention", (1,), _ours_flash_attention,
                             _theirs_flash_attention),
     "decode_attention": Pair("decode_attention", "core/attention", (1, 2), _ours_own_lnc,
-                             _theirs_decode_attention, own_lnc=True),
+                             _theirs_decode_attention, ("", "kT"), own_lnc=True),
     "fused_moe": Pair("fused_moe", "core/moe", (1,), _ours_fused_moe, _theirs_fused_moe,
                       ("selective", "all"), check=_fused_moe_fp8_check),
 }

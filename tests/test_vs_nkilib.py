@@ -393,6 +393,9 @@ def test_decode_adapters_fold_heads_and_match_the_reference(paged):
         assert a["k_prior"].shape == (B * L // bs * Hkv, bs, d) and a["table"].dtype == np.uint32
     else:
         assert a["k_prior"].shape == (B2, 1, L, d)
+        kt = V.decode_to_theirs(q, k, v, lens, None, scale=d ** -0.5, k_transposed=True)
+        np.testing.assert_array_equal(kt["k_prior"].view(np.uint16),
+                                      a["k_prior"].transpose(0, 1, 3, 2).view(np.uint16))
     np.testing.assert_array_equal(a["pos"], np.full((B2, s_q), L - s_q, np.float32))
     got = V.decode_from_theirs(_their_tkg(a).astype(BF16), B, Hkv)
     want = decode_attention_ref(q, k, v, lens, block_table=table, compute_dtype=np.float64)
@@ -429,6 +432,9 @@ def test_decode_skewed_batch_and_moe_variants_have_no_equivalent():
     with pytest.raises(V.NoEquivalent, match="one s_prior for the whole batch"):
         V._theirs_decode_attention(None, _case("decode_attention"), (None, None, None, lens, None),
                                    1)
+    with pytest.raises(V.OtherRegime, match="block KV"):       # K pre-transposed: flat KV only
+        V._theirs_decode_attention(None, _case("decode_attention"),
+                                   (None, None, None, lens[:1], np.zeros((1, 2))), 1, "kT")
     x = np.zeros((4, 8), BF16)
     ids = np.zeros((4, 2), np.int32)
     c = _case("fused_moe", T=4, E=8)
