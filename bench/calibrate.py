@@ -264,6 +264,8 @@ def main(argv=None) -> int:
                     help="folder holding <owner>+<name>/<path> kernel files of the published set")
     ap.add_argument("--data", type=Path, default=DATA, help="published points (JSON)")
     ap.add_argument("--family", help="only points of this family")
+    ap.add_argument("--id", action="append", default=[], metavar="ID",
+                    help="only this point (repeatable)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="what-if: re-model with a cost parameter changed (repeatable)")
     ap.add_argument("--print-fetch", action="store_true",
@@ -272,7 +274,8 @@ def main(argv=None) -> int:
                     help="also run the points marked heavy (emulation needs > 8 GB or > 10 min)")
     ap.add_argument("--json", type=Path, help="write the results as JSON here")
     a = ap.parse_args(argv)
-    points = [p for p in load_points(a.data) if not a.family or p["family"] == a.family]
+    points = [p for p in load_points(a.data) if (not a.family or p["family"] == a.family)
+              and (not a.id or p["id"] in a.id)]
     if a.print_fetch:
         print("\n".join(fetch_commands(points, a.kernels)))
         return 0

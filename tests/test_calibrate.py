@@ -112,6 +112,22 @@ def test_failing_and_heavy_points_are_reported_not_crashed(tmp_path):
     assert "skipped" in C.table(list(by_id.values()))
 
 
+def test_main_selects_points_by_id_and_runs_heavy_on_request(tmp_path, capsys):
+    root = tmp_path / "ours+calib"
+    root.mkdir()
+    (root / "ok.py").write_text(KERNEL.format(n=2))
+    data = tmp_path / "points.json"
+    data.write_text(json.dumps({"points": [_point("ok", "ok.py", 5.0),
+                                           _point("big", "ok.py", 5.0, heavy="slow")]}))
+    base = ["--kernels", str(tmp_path), "--data", str(data)]
+    assert C.main(base + ["--id", "big"]) == 0
+    out = capsys.readouterr().out
+    assert "| big |" in out and "skipped" in out and "| ok |" not in out
+    assert C.main(base + ["--id", "big", "--heavy"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped" not in out and "copy: n=1" in out
+
+
 PKG_UTIL = '''
 import nki.isa as nisa
 from nki_kernels.emulator import versions
