@@ -12,6 +12,8 @@ Dynamic parts, resolved each time an instruction executes:
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
@@ -416,12 +418,23 @@ class NkiTensor:
         else:
             base = int(offset)
         if self.on_chip:
+            # The first pair is the partition access, which the hardware steps contiguously (one
+            # partition per step; no partition stride is encoded). Its step must be the element
+            # count of the whole free dimension "of the tensor" (NKI Access Patterns guide,
+            # "Restriction on SBUF/PSUM Tensors"): of the tensor .ap() is called on, which for a
+            # view of a wider allocation is the view's free size, or of the allocation (nki-spec
+            # 6.4). NKI Library's mlp_tkg (bias, fused gate/up, LNC 2; a device QoR baseline in
+            # test_mlp_tkg.py) steps a (T, I) view of a (T, 2I) tile by I. Either way the access
+            # moves one partition per step.
             pe = self.storage.row_bytes // dtype.itemsize
-            if pattern[0][0] != pe and pattern[0][1] > 1:
+            view_free = math.prod(self.shape[1:]) * self.itemsize // dtype.itemsize
+            if pattern[0][0] not in (pe, view_free) and pattern[0][1] > 1:
                 raise NkiValidationError(
                     f"{where}: on-chip access patterns must address whole partitions: the first "
-                    f"[stride, count] pair's stride must be the allocation's per-partition size "
-                    f"{pe} ({dtype}); got {pattern[0][0]}")
+                    f"[stride, count] pair's stride must be the free size of the tensor "
+                    f"({view_free}) or of its allocation ({pe}) in {dtype} elements; got "
+                    f"{pattern[0][0]}")
+            pattern[0] = (pe, pattern[0][1])
             if pattern[0][1] > 128:
                 raise NkiValidationError(f"{where}: partition count {pattern[0][1]} exceeds 128")
         shape = tuple(c for _, c in pattern)

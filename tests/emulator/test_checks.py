@@ -1060,9 +1060,17 @@ def t_ap_zero_count():
 
 
 @case(q("ap on 't': on-chip access patterns must address whole partitions: the first [stride, "
-        "count] pair's stride must be the allocation's per-partition size 8"))
+        "count] pair's stride must be the free size of the tensor (8) or of its allocation (8) "
+        "in nl.float32 elements; got 16"))
 def t_ap_partition_stride():
     sb((8, 8), name="t").ap([[16, 4], [1, 8]])
+
+
+@case(q("ap on 't': on-chip access patterns must address whole partitions: the first [stride, "
+        "count] pair's stride must be the free size of the tensor (4) or of its allocation (8) "
+        "in nl.float32 elements; got 6"))
+def t_ap_partition_stride_view():
+    sb((8, 8), name="t")[:, 0:4].ap([[6, 4], [1, 4]])
 
 
 @case(q("ap on 't': partition count 129 exceeds 128"))

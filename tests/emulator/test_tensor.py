@@ -341,6 +341,24 @@ def test_ap_ignores_the_view_but_inherits_its_offset():
     np.testing.assert_array_equal(strided, a.reshape(-1)[1:97].reshape(3, 32)[:, 0:8:2])
 
 
+def test_ap_on_chip_view_steps_partitions_by_its_own_free_size():
+    """On SBUF the first pair steps whole partitions; its step may be the free size of the
+    tensor .ap() is called on (NKI Access Patterns guide), here a (4, 8) view of a (4, 16) tile:
+    the access still moves one partition (16 elements of the allocation) per step. NKI Library's
+    mlp_tkg relies on it (bias with fused gate/up at LNC 2, a device QoR baseline)."""
+    a = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+
+    def body(h):
+        t = sbuf_from(h)
+        half = t[:, 8:16]                                   # the second half: offset 8
+        v = half.ap([[8, 4], [1, 6]])                       # step 8 = the view's free size
+        w = t.ap([[16, 4], [1, 6]], offset=8)               # the same, by the allocation
+        return val(v), val(w)
+    v, w = in_kernel(body, a)
+    np.testing.assert_array_equal(v, a[:, 8:14])
+    np.testing.assert_array_equal(w, a[:, 8:14])
+
+
 def test_ap_dtype_int32_storage_as_bf16():
     """int32 (128,256) viewed as bf16 -> pattern [[512,128],[1,512]]."""
     rng = np.random.default_rng(2)
