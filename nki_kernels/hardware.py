@@ -93,6 +93,9 @@ class CostParams:
     dma_queues: int = 16           # DMA engines (rings) per NC [D AT2, AT3, DMA]
     dma_partitions_per_queue: int = 8  # 128-partition tile = 8 partitions per engine [D A2, DMA]
     dma_bw_q: float = 23.0         # practical B/ns per queue [D DBW]
+    # each engine has 16 rings (queue IDs), in order within a ring, served round robin across
+    # rings; a transfer's ring follows its trigger engine and descriptor generation [D DMA]
+    dma_ring_per_trigger: bool = True
     # descriptor cost floor, bytes: t = (max(b, B_min) + B_fix) / BW_q [M bound, C]. The DMA
     # overview's throughput-vs-bytes-per-partition figure alone fits B_min ~ 2.35 KB; the measured
     # 90.92%-MFU nki-autotune GEMM (Trn2, 236 us, 3072 1-KiB descriptors per queue, scheduler off)

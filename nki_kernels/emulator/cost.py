@@ -907,9 +907,10 @@ class _Seg:
 
 
 class _Transfer:
-    __slots__ = ("i", "prog", "trigger", "el0", "left", "end", "qpred")
+    __slots__ = ("i", "prog", "trigger", "el0", "left", "end", "qpred", "qid")
 
-    def __init__(self, i, prog, trigger, el0, n):
+    def __init__(self, i, prog, trigger, el0, n, qid=0):
+        self.qid = qid
         self.i = i
         self.prog = prog
         self.trigger = trigger
@@ -946,7 +947,7 @@ class _DmaSim:
         self.cp = cp
         self.now = 0.0
         self.K = max(1, cp.dma_outstanding)
-        self.Q = [[_DQueue(p, k, self.K) for k in range(cp.dma_queues)] for p in range(nprog)]
+        self.Q = [[{} for k in range(cp.dma_queues)] for p in range(nprog)]
         self.active = []
         self.waiting = set()    # idle queues with pending transfers
         self.granting = set()   # queues with a backlog
@@ -963,7 +964,10 @@ class _DmaSim:
         for (k, work, hbm) in segs:
             s = _Seg(tr, k, work, hbm)
             s.el = dge_end
-            q = self.Q[tr.prog][k]
+            rings = self.Q[tr.prog][k]
+            q = rings.get(tr.qid)
+            if q is None:
+                q = rings[tr.qid] = _DQueue(tr.prog, k, self.K)
             self.seq += 1
             heapq.heappush(q.backlog, (tr.trigger, self.seq, s))
             self.granting.add(q)
@@ -1020,16 +1024,21 @@ class _DmaSim:
                     return done
                 self.now = max(now, t)
                 continue
-            # fluid HBM sharing
+            # an engine serves its rings round robin [D DMA]: the transfers active on one
+            # engine share its speed; then fluid HBM sharing
             act = self.active
+            share = {}
+            for s in act:
+                key = (s.tr.prog, s.k)
+                share[key] = share.get(key, 0) + 1
             R = [0.0] * self.nprog
             for s in act:
-                R[s.tr.prog] += s.rate
+                R[s.tr.prog] += s.rate / share[(s.tr.prog, s.k)]
             fp = [min(1.0, self.cap_nc / r) if r > 0 else 1.0 for r in R]
             tot = sum(r * f for r, f in zip(R, fp))
             fs = min(1.0, self.cap_stack / tot) if tot > 0 else 1.0
             for s in act:
-                s.f = fp[s.tr.prog] * fs if s.rate > 0 else 1.0
+                s.f = (fp[s.tr.prog] * fs if s.rate > 0 else 1.0) / share[(s.tr.prog, s.k)]
             t = self._next_grant() if self.granting else _INF
             for s in act:
                 tc = now + s.work / s.f
@@ -1054,7 +1063,7 @@ class _DmaSim:
                 if s.work > _EPS:
                     still.append(s)
                     continue
-                q = self.Q[s.tr.prog][s.k]
+                q = self.Q[s.tr.prog][s.k][s.tr.qid]
                 q.active = None
                 q.last = s.tr.i
                 if self.log is not None:
@@ -1426,7 +1435,10 @@ class _Schedule:
             self._set_end(it.i, issue_end)
             return
         el0 = max(start + cp.dma_lat_ns, issue_end, dge_end)
-        tr = _Transfer(it.i, it.prog, start, el0, len(it.segs))
+        # the DMA queue (ring) of each engine the transfer goes to: tied to the trigger engine and
+        # the descriptor generation [D DMA, "DMA Queues"]
+        qid = (it.issuer, it.dge is not None) if cp.dma_ring_per_trigger else 0
+        tr = _Transfer(it.i, it.prog, start, el0, len(it.segs), qid)
         self.dmasim.add(tr, it.segs, dge_end)
 
     # ------------------------------------------------------------------ results

@@ -648,3 +648,50 @@ def test_a_casting_dma_with_a_runtime_address_runs_on_the_software_dge():
             busy[cast, dynamic] = model_trace(tr, "trn2").engine_busy_ns.get("gpsimd", 0.0)
     assert busy[True, True] > 0
     assert busy[False, True] == busy[True, False] == busy[False, False] == 0
+
+
+def test_dma_rings_of_different_triggers_share_an_engine_round_robin():
+    """Each DMA engine has 16 rings (queue IDs): in order within a ring, round robin across
+    rings, a transfer's ring following its trigger engine and descriptor generation (NKI DMA
+    overview, "DMA Queues"). A small hardware-DGE load triggered from ScalarE does not wait behind a
+    4 MiB static load already on the same engines; a second static load does."""
+    @jit
+    def two_loads(big, small, hwdge):
+        w = nl.ndarray((128, 1), small.dtype, buffer=nl.sbuf)       # ScalarE waits for this
+        nisa.dma_copy(dst=w, src=small[:, 0:1])
+        b = nl.ndarray(big.shape, big.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=b, src=big)
+        w2 = nl.ndarray((128, 1), small.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=w2, op=nl.exp, data=w)      # so the small load is triggered later
+        s = nl.ndarray(small.shape, small.dtype, buffer=nl.sbuf)
+        if hwdge:
+            nisa.dma_copy(dst=s, src=small, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
+        else:
+            nisa.dma_copy(dst=s, src=small)
+        t = nl.ndarray(small.shape, small.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=t, op=nl.exp, data=s)          # ScalarE waits for the small load
+        out = nl.ndarray(small.shape, small.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    big = np.ones((128, 8192), np.float32)                 # 4 MiB: ~11.4 us on 16 engines (Trn2)
+    small = np.ones((128, 512), np.float32)
+    exp_start = {}
+    for hwdge in (False, True):
+        with trace() as tr:
+            two_loads(big, small, hwdge)
+        sched = []
+        model_trace(tr, "trn2", schedules=sched)
+        sim = sched[0][3]
+        i = [k for k, it in enumerate(sim.items) if it.ins.opcode == "activation"][1]
+        exp_start[hwdge] = sim.start[i]
+    assert exp_start[False] > 11_400                       # FIFO behind the big load
+    assert exp_start[True] < 6_000                         # its own ring: shares the engines
+    # the old single-FIFO engines (sensitivity switch) queue it behind the big load too
+    with trace() as tr:
+        two_loads(big, small, True)
+    sched = []
+    model_trace(tr, "trn2", schedules=sched, params={"dma_ring_per_trigger": False})
+    sim = sched[0][3]
+    i = [k for k, it in enumerate(sim.items) if it.ins.opcode == "activation"][1]
+    assert sim.start[i] > 11_400
