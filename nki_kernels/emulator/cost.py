@@ -32,7 +32,7 @@ import dataclasses
 import heapq
 import math
 from bisect import bisect_right
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .. import hardware
@@ -1027,10 +1027,7 @@ class _DmaSim:
             # an engine serves its rings round robin [D DMA]: the transfers active on one
             # engine share its speed; then fluid HBM sharing
             act = self.active
-            share = {}
-            for s in act:
-                key = (s.tr.prog, s.k)
-                share[key] = share.get(key, 0) + 1
+            share = Counter((s.tr.prog, s.k) for s in act)
             R = [0.0] * self.nprog
             for s in act:
                 R[s.tr.prog] += s.rate / share[(s.tr.prog, s.k)]

@@ -676,22 +676,18 @@ def test_dma_rings_of_different_triggers_share_an_engine_round_robin():
 
     big = np.ones((128, 8192), np.float32)                 # 4 MiB: ~11.4 us on 16 engines (Trn2)
     small = np.ones((128, 512), np.float32)
-    exp_start = {}
-    for hwdge in (False, True):
+
+    def consumer_start(hwdge, params=None):
+        """Modeled start (ns) of the activation that reads the small load."""
         with trace() as tr:
             two_loads(big, small, hwdge)
         sched = []
-        model_trace(tr, "trn2", schedules=sched)
+        model_trace(tr, "trn2", schedules=sched, params=params)
         sim = sched[0][3]
         i = [k for k, it in enumerate(sim.items) if it.ins.opcode == "activation"][1]
-        exp_start[hwdge] = sim.start[i]
-    assert exp_start[False] > 11_400                       # FIFO behind the big load
-    assert exp_start[True] < 6_000                         # its own ring: shares the engines
+        return sim.start[i]
+
+    assert consumer_start(False) > 11_400                  # FIFO behind the big load
+    assert consumer_start(True) < 6_000                    # its own ring: shares the engines
     # the old single-FIFO engines (sensitivity switch) queue it behind the big load too
-    with trace() as tr:
-        two_loads(big, small, True)
-    sched = []
-    model_trace(tr, "trn2", schedules=sched, params={"dma_ring_per_trigger": False})
-    sim = sched[0][3]
-    i = [k for k, it in enumerate(sim.items) if it.ins.opcode == "activation"][1]
-    assert sim.start[i] > 11_400
+    assert consumer_start(True, {"dma_ring_per_trigger": False}) > 11_400
