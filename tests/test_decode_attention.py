@@ -181,6 +181,24 @@ def test_fp8_cache_range_limits(tgt, rng, per_head):
     _run(q, k, v, lens, 32, k_scale=ks, v_scale=vs)
 
 
+@pytest.mark.parametrize("d, Hkv, bs, pairs", [
+    (128, 3, None, True), (64, 5, None, True), (256, 2, None, True), (192, 2, None, False),
+    (128, 2, 64, False)])
+def test_fp8_k_pairs(tgt, rng, d, Hkv, bs, pairs):
+    """FP8 K^T by DMA transposes of dim pairs: the heads that share a transpose (two at d = 128,
+    four at 64, one at 256; a partial last group with odd H_kv), 16-key blocks with a partial last
+    block (lengths 2, 17, 300, 1100), s_q = 2, a contiguous cache poisoned past each length.
+    d = 192 and paged caches keep the TensorE transposes; the path is checked on the trace."""
+    from nki_kernels.emulator.trace import trace
+    f8 = FP8[tgt]
+    lens = [2, 17, 300, 1100]
+    q, k, v = _inputs(rng, 4, 2, 2 * Hkv, Hkv, d, lens, kv_dtype=f8)
+    with trace() as tr:
+        _run(q, k, v, lens, bs, k_scale=0.05, v_scale=0.5)
+    n_dma_t = sum(ins.opcode == "dma_transpose" for ins in tr)
+    assert (n_dma_t > 0) == pairs, n_dma_t
+
+
 def test_lnc2_split_matches(tgt, rng):
     """LNC=2: the long sequence is split over both cores and merged through the lse; sinks go to
     one part only."""

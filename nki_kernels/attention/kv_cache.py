@@ -202,3 +202,39 @@ def load_kv_tile_pages(pairs, lay: KVLayout, b: int, k0: int, n: int, bt_sb, pag
                 nisa.dma_copy(dst=flat[nfull:nfull + 1, 0:rem * tok],
                               src=pages.ap([[row, 1], [1, rem * tok]], offset=a,
                                            scalar_offset=reg, indirect_dim=0))
+
+
+def pair_heads(d: int):
+    """FP8 K^T by DMA transpose: ``(dp, hpt)``, the 2-byte pairs per head (``d / 2``) and the
+    heads whose pairs share the 128 partitions of one transpose; None where ``d / 2`` does not
+    divide 128 (d = 192)."""
+    dp = d // 2
+    if d % 2 or dp > P or P % dp:
+        return None
+    return dp, P // dp
+
+
+def load_kT_pairs(dst, cache, lay: KVLayout, b: int, k0: int, n: int, h0: int, hn: int):
+    """FP8 keys ``[k0, k0 + n)`` of heads ``[h0, h0 + hn)`` of sequence ``b`` of a contiguous
+    cache as K^T pairs, by DMA transposes of 2-byte elements (DMA transposes move 2- or 4-byte
+    elements, nki-spec 9.2.2): ``dst [128, >= n rounded up to 16]`` uint16 SBUF, partition
+    ``(h - h0) d/2 + i`` holds dims ``2i`` (low byte) and ``2i + 1`` (high byte) of head ``h``,
+    column ``c`` key ``k0 + c``; viewed as FP8 ``[128, 2 cols]``, the even / odd dims are the even /
+    odd columns. Columns from ``n`` to the next multiple of 16 are zero.
+
+    One transpose of ``[16, m, C]`` blocks (``C = hn d/2`` contiguous elements per key, 16 keys
+    per block: the hardware-DGE shape rule); the last ``n % 16`` keys go through a zeroed 16-key
+    SBUF block. Nothing past a sequence's end is read."""
+    dp = lay.d // 2
+    C, tok = hn * dp, lay.h_kv * dp
+    c16 = cache.view(nl.uint16)                                    # [B, S_max, H_kv, d/2]
+    base = ((b * cache.shape[1] + k0) * lay.h_kv + h0) * dp
+    m = n // 16 * 16
+    if m:
+        nisa.dma_transpose(dst=dst[0:C, 0:m].reshape_dim(1, (m // 16, 16)),
+                           src=c16.ap([[tok, 16], [16 * tok, m // 16], [1, C]], offset=base))
+    if n > m:
+        blk = nl.ndarray((16, C), dtype=nl.uint16, buffer=nl.sbuf)              # [16 keys, C]
+        nisa.memset(dst=blk, value=0, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=blk[0:n - m, :], src=c16.ap([[tok, n - m], [1, C]], offset=base + m * tok))
+        nisa.dma_transpose(dst=dst[0:C, m:m + 16].reshape_dim(1, (1, 16)), src=blk.expand_dim(1))
