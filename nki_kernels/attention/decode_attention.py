@@ -10,6 +10,8 @@ Per KV tile (``128 T`` keys of one sequence, all KV heads, one long DMA run per 
 gathered through the block table, :mod:`.kv_cache`):
 
 * TensorE transposes each head's keys to K^T (``[d, keys]``, key order restored on eviction);
+  FP8 contiguous caches instead bring K^T in by DMA transposes of dim pairs (2-byte elements)
+  and run QK^T as an even-dim and an odd-dim pass (:func:`.kv_cache.load_kT_pairs`);
 * query rows are packed on partitions in slots of W = 32 / 64 / 128 rows, one slot per KV head
   (its ``G x s_q`` rows), ``128 / W`` heads per row group: QK^T and PV of the heads of a group
   run in separate PE column tiles (``tile_position``), side by side;
