@@ -655,7 +655,7 @@ class _Run:
             scale_mask_max(X, S, qk, lo, hi, k0, ncol, full, sm.max_slot)
         del S
         Pm = nl.ndarray((rows, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [rows, 128T]
-        job.alpha = sm.exp_block(Pm[:, 0:ncol], Xv)
+        job.alpha = sm.exp_block(Pm[:, 0:ncol], Xv, defer_sum=True)
         job.Pm = Pm
 
     def stage_pT(self, job):
@@ -699,6 +699,7 @@ class _Run:
         if job.packed:
             job.grp.psm.accumulate_o(job.O, job.alpha, mode="stt", copy_engine="vector")
         else:
+            job.grp.sm.flush_sum()       # l = alpha l + sum p, deferred off the softmax's chain
             job.grp.sm.accumulate_o(job.O[0:job.grp.rows, :], job.alpha, mode="stt",
                                     copy_engine="vector")
         job.O = None

@@ -65,6 +65,7 @@ class SoftmaxState:
         self.ncols = 1
         self.mp = nl.ndarray((rows, MAX_PARTS), dtype=nl.float32, buffer=nl.sbuf)  # [rows, 8]
         self.l = None                   # [rows, 1] (sum_in_o=False)
+        self.pending_sums = []          # deferred l updates (exp_block(defer_sum=True))
         self.o = None                   # [rows, d (+1)] fp32 SBUF, None until the first block
         self.started = False            # a block (or sink, or resumed state) is accumulated
         self.m_old = self.m_new = self.alpha = None
@@ -207,17 +208,26 @@ class SoftmaxState:
     def denominator(self):
         return self.o[:, self.d:self.d + 1] if self.sum_in_o else self.l
 
-    def exp_block(self, p_dst, x_src):
+    def exp_block(self, p_dst, x_src, defer_sum=False):
         """One block of a state whose sum is kept apart (``sum_in_o=False``), its partial maxes
         already reduced into ``max_slot()`` columns: ``m_new``, ``p = exp(xmul (x - m_new))``
-        (ScalarE, row sums fused), ``l = alpha l + sum p``. Returns ``alpha`` for the O update."""
+        (ScalarE, row sums fused), ``l = alpha l + sum p``. Returns ``alpha`` for the O update.
+        ``defer_sum``: the ``l`` update waits for :meth:`flush_sum` (blocks in order), so an
+        in-order VectorE queue does not stall on this block's exponential."""
         self.combine_max()
         neg = self.neg_max()
         rowsum = self.exp_rows([(p_dst, x_src)], "scalar", neg_max=neg, with_sum=True)
         alpha = self.rescale_factor("scalar", neg)
         self.mark_started()
-        self.update_sum(rowsum, alpha)
+        if defer_sum:
+            self.pending_sums.append((rowsum, alpha))
+        else:
+            self.update_sum(rowsum, alpha)
         return alpha
+
+    def flush_sum(self):
+        """Apply the oldest deferred ``l`` update of :meth:`exp_block`."""
+        self.update_sum(*self.pending_sums.pop(0))
 
     def finalize(self, out_sb, lse_sb=None, out_scale=None):
         """``out = o / l`` (VectorE, cast to ``out_sb``'s dtype; times ``out_scale``, a float,
