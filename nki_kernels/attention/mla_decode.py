@@ -519,7 +519,7 @@ class _Run:
         scale_mask_max(X, S, cfg.qk_mul, grp.rt[0:rows, C_LO:C_LO + 1],
                        grp.rt[0:rows, C_HI:C_HI + 1], k0, ncol, full, sm.max_slot)
         Pm = nl.ndarray((rows, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [rows, 128T]
-        job.alpha = sm.exp_block(Pm[:, 0:ncol], Xv)
+        job.alpha = sm.exp_block(Pm[:, 0:ncol], Xv, defer_sum=True)
         job.Pm = Pm
 
     def stage_pT(self, job):
@@ -554,6 +554,7 @@ class _Run:
             first = False
             yield
         job.pT = None
+        job.grp.sm.flush_sum()          # the deferred l update (decode_attention's reason)
         job.grp.sm.accumulate_o(O[0:rows, :], job.alpha, mode="stt", copy_engine="vector")
 
     # -- packed tiles (few rows: nslot PE column tiles side by side) -----------------------------
