@@ -228,7 +228,9 @@ class Generation:
     nc_version: int               # 2, 3, 4 (nisa.get_nc_version())
     pmax: int = 128               # partitions [D A2]
     sbuf_bytes_per_partition: int = 192 * KiB   # physical [D A2/AT2/AT3]
-    # runtime reserve [Est]: real value undocumented (the NKI docs give no figure)
+    # runtime reserve [Der]: the NKI docs give no figure; NKI Library sizes its own SBUF budgets
+    # as 224 KiB - 16384 - (a few hundred bytes) on Trn2 (mlp_cte_constants.py,
+    # bwmm_bwd_dropless.py: MAX_AVAILABLE_SBUF_SIZE), i.e. 16 KiB off the physical partition
     sbuf_reserved_bytes: int = 16 * KiB
     psum_bytes_per_partition: int = 16 * KiB    # 8 banks x 2 KiB [D A2, AT2, AT3]
     psum_bank_bytes: int = 2 * KiB              # [D A2]
