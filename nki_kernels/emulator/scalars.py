@@ -7,6 +7,9 @@ same way so that a kernel which passes here does not depend on it (nki-spec §3.
 """
 from __future__ import annotations
 
+import dis
+import sys
+
 
 def _wrap32(v: int) -> int:
     return ((int(v) + 2**31) % 2**32) - 2**31
@@ -81,6 +84,39 @@ class VirtualRegister(_Runtime):
     def __init__(self, v=0):
         super().__init__(_wrap32(v) if v is not None else 0)
         self.initialized = v is not None
+
+    def __bool__(self):
+        """``while reg:``, a register-driven loop (``reg != 0``, tested before each iteration):
+        NKI 0.3-0.5, deprecated in 0.6, removed in 0.7 (``nl.while_loop``; nki-spec 3.4). Any
+        other truth test of a register (``if reg:``) is refused: its value is unknown while the
+        kernel is specialised."""
+        if not _loop_test(sys._getframe(1)):
+            self._no("conditions")
+        from . import versions
+        versions.check("while reg:", "VirtualRegister", exc=TypeError)
+        return self._v != 0
+
+
+def _loop_test(frame) -> bool:
+    """Whether the truth test running in ``frame`` is a ``while`` loop's (its conditional jump goes
+    back to the loop body, or forward past a jump that goes back to it), not an ``if``'s."""
+    ins = list(dis.get_instructions(frame.f_code))
+    at = {i.offset: k for k, i in enumerate(ins)}
+    k = at.get(frame.f_lasti)
+    if k is None:
+        return False
+    cur = ins[k]
+    if "JUMP" not in cur.opname or not isinstance(cur.argval, int):
+        return False
+    if cur.argval < cur.offset:                      # bottom-of-loop test: jumps back
+        return True
+    j = at.get(cur.argval)                           # top-of-loop test: the exit is right after
+    if j is None or j == 0:                          # the loop's backward jump
+        return False
+    prev = ins[j - 1]
+    body = ins[k + 1].offset if k + 1 < len(ins) else cur.offset
+    return ("JUMP" in prev.opname and isinstance(prev.argval, int)
+            and prev.argval <= body and cur.offset < prev.offset)
 
 
 def runtime_value(x) -> int:

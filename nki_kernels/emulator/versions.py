@@ -27,6 +27,7 @@ ENV = "NKI_EMULATOR_VERSION"
 # feature -> (deprecated in, removed in, what to use instead)
 CHANGES = {
     "nl.dynamic_range": ("0.6", "0.7", "nl.fori_loop"),
+    "while reg:": ("0.6", "0.7", "nl.while_loop"),
     "integer enum values": ("0.3", "0.7", "the nisa enum members (nisa.dge_mode.none, ...)"),
     "nki.jit(mode=...)": ("0.3", "0.7", "nki.simulate / NEURON_PLATFORM_TARGET_OVERRIDE"),
     "nki.jit(platform_target=...)": ("0.3", "0.7", "NEURON_PLATFORM_TARGET_OVERRIDE"),

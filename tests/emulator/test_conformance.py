@@ -417,6 +417,53 @@ def test_dynamic_range_by_version():
     assert list(nl.range(3)) == [0, 1, 2]
 
 
+@jit
+def _count_down(x):
+    """``while reg:`` (NKI 0.3-0.5): the body runs while the register is not 0, the register
+    reloaded at the end of each iteration; the output counts the iterations."""
+    out = nl.ndarray((1, 4), nl.int32, buffer=nl.shared_hbm)
+    cnt = nl.ndarray((1, 1), nl.int32)
+    nisa.dma_copy(dst=cnt, src=x)
+    acc = nl.ndarray((1, 4), nl.int32)
+    nisa.memset(dst=acc, value=0)
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, cnt)
+    while reg:
+        nisa.tensor_scalar(dst=acc, data=acc, op0=nl.add, operand0=1)
+        nisa.tensor_scalar(dst=cnt, data=cnt, op0=nl.subtract, operand0=1)
+        nisa.register_load(reg, cnt)
+    nisa.dma_copy(dst=out, src=acc)
+    return out
+
+
+@jit
+def _if_register(x):
+    cnt = nl.ndarray((1, 1), nl.int32)
+    nisa.dma_copy(dst=cnt, src=x)
+    reg = nisa.register_alloc()
+    nisa.register_load(reg, cnt)
+    if reg:
+        nisa.memset(dst=cnt, value=0)
+    return None
+
+
+def test_while_register_by_version():
+    """``while reg:`` runs under NKI 0.3-0.5 (NKI Library's MX moe_cte dynamic-block loop), warns
+    under 0.6, is refused under 0.7 naming nl.while_loop; ``if reg:`` is refused at every
+    version (a register's value is unknown while the kernel is specialised)."""
+    x = np.array([[3]], np.int32)
+    with versions.nki_version("0.3"):
+        assert np.asarray(_count_down(x)).tolist() == [[3, 3, 3, 3]]
+        assert np.asarray(_count_down(np.zeros((1, 1), np.int32))).tolist() == [[0, 0, 0, 0]]
+        with pytest.raises(TypeError, match="cannot be used in Python conditions"):
+            _if_register(x)
+    with versions.nki_version("0.6"):
+        with pytest.warns(DeprecationWarning, match="while reg: deprecated in NKI 0.6"):
+            assert np.asarray(_count_down(x)).tolist() == [[3, 3, 3, 3]]
+    with pytest.raises(TypeError, match="while reg: removed in NKI 0.7.*nl.while_loop"):
+        _count_down(x)
+
+
 def test_unused_sbuf_buffers_take_no_space():
     """SBUF by liveness: 8 never-used 120 KB-per-partition buffers beside two used ones fit."""
     @jit
