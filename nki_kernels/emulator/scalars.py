@@ -98,8 +98,9 @@ class VirtualRegister(_Runtime):
 
 
 def _loop_test(frame) -> bool:
-    """Whether the truth test running in ``frame`` is a ``while`` loop's (its conditional jump goes
-    back to the loop body, or forward past a jump that goes back to it), not an ``if``'s."""
+    """Whether the truth test running in ``frame`` is a ``while`` loop's, not an ``if``'s: its
+    conditional jump goes back to the loop body (the test CPython repeats at the loop's end), or
+    it jumps forward past a jump that goes back to the start of the body it guards."""
     ins = list(dis.get_instructions(frame.f_code))
     at = {i.offset: k for k, i in enumerate(ins)}
     k = at.get(frame.f_lasti)
@@ -110,13 +111,9 @@ def _loop_test(frame) -> bool:
         return False
     if cur.argval < cur.offset:                      # bottom-of-loop test: jumps back
         return True
-    j = at.get(cur.argval)                           # top-of-loop test: the exit is right after
-    if j is None or j == 0:                          # the loop's backward jump
-        return False
-    prev = ins[j - 1]
     body = ins[k + 1].offset if k + 1 < len(ins) else cur.offset
-    return ("JUMP" in prev.opname and isinstance(prev.argval, int)
-            and prev.argval <= body and cur.offset < prev.offset)
+    return any("JUMP" in i.opname and isinstance(i.argval, int) and i.argval <= body
+               for i in ins[k + 1:] if i.offset < cur.argval)
 
 
 def runtime_value(x) -> int:
