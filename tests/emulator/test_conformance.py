@@ -417,36 +417,24 @@ def test_dynamic_range_by_version():
     assert list(nl.range(3)) == [0, 1, 2]
 
 
-@jit
-def _count_down(x):
-    """``while reg:`` (NKI 0.3-0.5): the body runs while the register is not 0, the register
-    reloaded at the end of each iteration; the output counts the iterations."""
-    out = nl.ndarray((1, 4), nl.int32, buffer=nl.shared_hbm)
-    cnt = nl.ndarray((1, 1), nl.int32)
-    nisa.dma_copy(dst=cnt, src=x)
-    acc = nl.ndarray((1, 4), nl.int32)
-    nisa.memset(dst=acc, value=0)
-    reg = nisa.register_alloc()
+def _step(reg, cnt, acc):
+    nisa.tensor_scalar(dst=acc, data=acc, op0=nl.add, operand0=1)
+    nisa.tensor_scalar(dst=cnt, data=cnt, op0=nl.subtract, operand0=1)
     nisa.register_load(reg, cnt)
-    while reg:
-        nisa.tensor_scalar(dst=acc, data=acc, op0=nl.add, operand0=1)
-        nisa.tensor_scalar(dst=cnt, data=cnt, op0=nl.subtract, operand0=1)
-        nisa.register_load(reg, cnt)
-    nisa.dma_copy(dst=out, src=acc)
-    return out
 
 
 def _drain(reg, cnt, acc):
     """A ``while reg:`` that ends its function (CPython repeats the return after the loop, so the
     loop's exit jump does not land right after its backward jump; NKI Library's MX moe_cte)."""
     while reg:
-        nisa.tensor_scalar(dst=acc, data=acc, op0=nl.add, operand0=1)
-        nisa.tensor_scalar(dst=cnt, data=cnt, op0=nl.subtract, operand0=1)
-        nisa.register_load(reg, cnt)
+        _step(reg, cnt, acc)
 
 
 @jit
-def _count_down_helper(x):
+def _count_down(x, tail=False):
+    """``while reg:`` (NKI 0.3-0.5): the body runs while the register is not 0, the register
+    reloaded at the end of each iteration; the output counts the iterations. ``tail``: the loop
+    ends a helper function."""
     out = nl.ndarray((1, 4), nl.int32, buffer=nl.shared_hbm)
     cnt = nl.ndarray((1, 1), nl.int32)
     nisa.dma_copy(dst=cnt, src=x)
@@ -454,7 +442,11 @@ def _count_down_helper(x):
     nisa.memset(dst=acc, value=0)
     reg = nisa.register_alloc()
     nisa.register_load(reg, cnt)
-    _drain(reg, cnt, acc)
+    if tail:
+        _drain(reg, cnt, acc)
+    else:
+        while reg:
+            _step(reg, cnt, acc)
     nisa.dma_copy(dst=out, src=acc)
     return out
 
@@ -478,7 +470,7 @@ def test_while_register_by_version():
     with versions.nki_version("0.3"):
         assert np.asarray(_count_down(x)).tolist() == [[3, 3, 3, 3]]
         assert np.asarray(_count_down(np.zeros((1, 1), np.int32))).tolist() == [[0, 0, 0, 0]]
-        assert np.asarray(_count_down_helper(x)).tolist() == [[3, 3, 3, 3]]
+        assert np.asarray(_count_down(x, tail=True)).tolist() == [[3, 3, 3, 3]]
         with pytest.raises(TypeError, match="cannot be used in Python conditions"):
             _if_register(x)
     with versions.nki_version("0.6"):
