@@ -311,9 +311,9 @@ class _Run:
         # FP8 K^T by DMA transposes of dim pairs (2-byte elements), no TensorE pass: row-layout
         # tiles of a contiguous cache. (Paged caches keep the TensorE path: one transpose per
         # page and head pair modeled at 523 vs 202 us on Llama-3-8B B=8 L=2K paged/64, Trn2.)
-        fp8 = k_cache.dtype not in (nl.bfloat16, nl.float16)
+        self.fp8 = k_cache.dtype not in (nl.bfloat16, nl.float16)
         self.pairs = None
-        if fp8 and not cfg.packed and not cfg.layout.paged:
+        if self.fp8 and not cfg.packed and not cfg.layout.paged:
             self.pairs = pair_heads(cfg.d)
 
     # -- the tile stream ------------------------------------------------------------------------
@@ -327,7 +327,6 @@ class _Run:
         idx = {}
         groups = {}
         loaded = {}
-        fp8 = self.kc.dtype not in (nl.bfloat16, nl.float16)
 
         def fetch(j, which):
             """Issue the K ("k") or V ("v") loads of tile j; V runs V_BEHIND tiles behind K, so
@@ -354,7 +353,7 @@ class _Run:
                 loaded.setdefault(j, {})[which] = t
                 return
             t = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=cache.dtype, buffer=nl.sbuf)
-            zero = fp8 and which == "k"                                 # K^T by matmul
+            zero = self.fp8 and which == "k"                            # K^T by matmul
             if lay.paged and self.cfg.gather == "page":
                 load_kv_tile_pages([(t, cache, zero)], lay, it.b, k0, n, idx[ii],
                                    it.k0 // lay.block_size)
@@ -576,7 +575,7 @@ class _Run:
             return
         cfg, lay, DT = self.cfg, job.lay, self.DT
         T, npp, ncol, kt = lay.T, job.npp, job.ncol, job.kt
-        fp8 = kt.dtype not in (nl.bfloat16, nl.float16)
+        fp8 = self.fp8                   # K^T by a matmul with the identity (below)
         # FP8 K^T by a matmul with the identity: bf16 PSUM where the target has it (Trn3; every
         # e4m3fn value is a bf16 value, so exact), half the eviction bytes of fp32
         tp_dt = (nl.bfloat16 if nisa.get_nc_version() >= 4 else nl.float32) if fp8 else kt.dtype
