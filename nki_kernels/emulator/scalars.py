@@ -8,6 +8,7 @@ same way so that a kernel which passes here does not depend on it (nki-spec §3.
 from __future__ import annotations
 
 import dis
+import functools
 import sys
 
 
@@ -90,20 +91,23 @@ class VirtualRegister(_Runtime):
         NKI 0.3-0.5, deprecated in 0.6, removed in 0.7 (``nl.while_loop``; nki-spec 3.4). Any
         other truth test of a register (``if reg:``) is refused: its value is unknown while the
         kernel is specialised."""
-        if not _loop_test(sys._getframe(1)):
+        f = sys._getframe(1)
+        if not _loop_test(f.f_code, f.f_lasti):
             self._no("conditions")
         from . import versions
         versions.check("while reg:", "VirtualRegister", exc=TypeError)
         return self._v != 0
 
 
-def _loop_test(frame) -> bool:
-    """Whether the truth test running in ``frame`` is a ``while`` loop's, not an ``if``'s: its
-    conditional jump goes back to the loop body (the test CPython repeats at the loop's end), or
-    it jumps forward past a jump that goes back to the start of the body it guards."""
-    ins = list(dis.get_instructions(frame.f_code))
+@functools.lru_cache(maxsize=256)
+def _loop_test(code, lasti) -> bool:
+    """Whether the truth test at bytecode offset ``lasti`` of ``code`` is a ``while`` loop's, not
+    an ``if``'s: its conditional jump goes back to the loop body (the test CPython repeats at the
+    loop's end), or it jumps forward past a jump that goes back to the start of the body it
+    guards. Cached: a loop asks once per iteration."""
+    ins = list(dis.get_instructions(code))
     at = {i.offset: k for k, i in enumerate(ins)}
-    k = at.get(frame.f_lasti)
+    k = at.get(lasti)
     if k is None:
         return False
     cur = ins[k]
