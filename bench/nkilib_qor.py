@@ -417,6 +417,18 @@ def breakdown(results) -> dict:
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, order[kv[0][2]])))
 
 
+def by_test(results) -> dict:
+    """Ratios t_model / t_pub grouped by (family, test function): one test function fixes the
+    kernel's call (layouts, options, how the harness launches it), so a group whose ratio departs
+    from its family's points at that call or at how its baselines were taken."""
+    out = {}
+    for r in results:
+        if r.get("modeled_ns") and r.get("published_ns") and r.get("outcome") == "passed":
+            test = r.get("test") or r["nodeid"].split("::")[-1].split("[")[0]
+            out.setdefault((r["family"], test), []).append(r["modeled_ns"] / r["published_ns"])
+    return dict(sorted(out.items()))
+
+
 def report(results, family=None) -> str:
     if family:
         results = [r for r in results if r["family"] == family]
@@ -432,6 +444,12 @@ def report(results, family=None) -> str:
     for (fam, lnc, band), rs in breakdown(results).items():
         lines.append(f"| {fam} | {lnc} | {band} | {len(rs)} | "
                      f"{math.exp(statistics.median(math.log(x) for x in rs)):.2f} |")
+    lines += ["", "| family | test | n | median t_model/t_pub | median \\|ln\\| |",
+              "|---|---|---:|---:|---:|"]
+    for (fam, test), rs in by_test(results).items():
+        lns = [math.log(x) for x in rs]
+        lines.append(f"| {fam} | {test} | {len(rs)} | {math.exp(statistics.median(lns)):.2f} | "
+                     f"{statistics.median(abs(x) for x in lns):.3f} |")
     lines += ["", "| case | LNC | published (us) | modeled (us) | ratio | binds | outcome |",
               "|---|---:|---:|---:|---:|---|---|"]
     for r in sorted(results, key=lambda r: (r["family"], r.get("published_ns") or 0)):

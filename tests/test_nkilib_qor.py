@@ -177,6 +177,7 @@ def test_hook_models_the_kernel_run_and_writes_a_record(tmp_path):
     assert fit["fake"]["n"] == 1 and math.isclose(fit["fake"]["median_abs_ln"],
                                                   abs(math.log(ok["ratio"])))
     assert "| fake | 1 |" in Q.report(recs)
+    assert "| fake | test_k | 1 |" in Q.report(recs)     # per test function
 
 
 def test_kept_traces_remodel_to_the_same_figure_and_follow_parameter_changes(tmp_path):
