@@ -134,6 +134,30 @@ def test_fp8_bit_exact(tgt, rng, T, H):
         assert (q[0].astype(np.float32) == 0).all()
 
 
+@pytest.mark.parametrize("T,variant", [(7, "plain"), (128, "plain"), (100, "residual"),
+                                       (128, "fp32 gamma")], ids=str)
+def test_fp8_single_tile_column_chunks(tgt, rng, T, variant):
+    """One tile of <= 128 rows runs in column chunks (loads, passes and stores overlapped): H =
+    4608 is four 1024-column chunks and a ragged 512, and three quantize chunks over the engines.
+    Bit-exact, NaN / inf / zero rows included, with a residual and an fp32 gamma."""
+    H = 4608
+    x = adversarial(rng, T, H)
+    g = rng.standard_normal(H).astype(np.float32 if variant == "fp32 gamma" else BF16)
+    fmt = default_fp8(tgt)
+    if variant == "residual":
+        res = adversarial(rng, T, H, nonfinite=False)
+        q, s, r = run(x, g, residual=res)
+        qr, sr, rr = R.rmsnorm_quant_fp8_ref(x, g, residual=res, dtype=fmt)
+        assert np.array_equal(canon_bf16(r), canon_bf16(rr))
+    else:
+        q, s = run(x, g)
+        qr, sr = R.rmsnorm_quant_fp8_ref(x, g, dtype=fmt)
+    assert np.array_equal(canon_fp8(q), canon_fp8(qr))
+    assert_scales_equal(s, sr)
+    if variant != "residual":
+        assert np.isnan(s[3:5]).all() and (q[0].astype(np.float32) == 0).all()
+
+
 @pytest.mark.parametrize("fmt", ["float8_e4m3", "float8_e5m2", "float8_e4m3fn"])
 def test_fp8_formats(tgt, rng, fmt):
     if fmt == "float8_e4m3fn" and tgt == "trn2":

@@ -13,6 +13,8 @@ so the passes are spread over the engines (each keeps about one):
     (Trn2: GpSimd) scales and casts.
   FP8 otherwise ("rows"): ScalarE sum of squares; GpSimd g = h * gamma; VectorE abs-max;
     VectorE (Trn2: GpSimd) scales and casts. A residual is added by the DMA engines (dma_compute).
+    A lone tile (T <= 128, dynamic scaling) runs in 1024-column chunks so loads, passes and stores
+    overlap, its scale-and-cast pass split over ScalarE, VectorE and (Trn2) GpSimd.
   MX (Trn3): ScalarE sum of squares; GpSimd y1 = h * rstd; TensorE transposes; VectorE evicts
     times gamma (ScalarE 1 in 8) and runs quantize_mx.
 """
@@ -34,6 +36,8 @@ ACT_EVICT_EVERY = 8           # MX: ScalarE evicts one 512-column chunk in 8, Ve
 DVE_EVICT_EVERY = 4           # FP8 transposed, Trn3: VectorE evicts one g chunk in 4, ScalarE the
                               # others (TensorE then binds: 6.9 vs 5.4/5.6 us per 128x8192 tile)
 FP32_MIN = -3.4028234663852886e38
+ROW_CHUNK = 1024              # columns per chunk when one 128-row tile is all there is (pass 1)
+Q_CHUNK = 2048                # columns per quantize-and-store chunk (pass 2): 2 KiB fp8 rows
 
 
 # ------------------------------------------------------------------------------------ plan
@@ -67,7 +71,12 @@ class RMSQuantPlan:
         bufs = 2 if self.double else 1
         scales = 4 * (-(-self.T // P)) + 8 * P
         if self.quant == "fp8":
-            return bufs * (5 * H + res) + self.gamma_bytes * H + scales
+            # one tile of <= 128 rows runs in column chunks: two [128, ROW_CHUNK] bf16 scratch
+            # tiles and the per-chunk partial sums and maxima
+            chunked = 0
+            if not self.transposed and self.T <= P:
+                chunked = 4 * ROW_CHUNK + 8 * (-(-H // ROW_CHUNK))
+            return bufs * (5 * H + res) + self.gamma_bytes * H + scales + chunked
         kt = H // CHUNK
         out = kt * P * 4 + (-(-kt // 4)) * P
         return bufs * (4 * H + res + out + 8 * P) + 16 * kt + 2 * P
@@ -191,6 +200,15 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
     else:
         GP = min(P, T)                                    # partitions the tiles will use
         gam_sb = nl.ndarray((GP, H), dtype=gamma.dtype, buffer=nl.sbuf)           # [GP, H]
+        if len(mine) == 1 and static_scale is None:       # one tile: column chunks, below
+            t0 = mine[0] * P
+            tt = min(P, T - t0)
+            _rows_tile_chunked(x, gamma, residual, res_hbm, q_hbm, gam_sb, t0, tt, consts,
+                               s_all[0:tt, 0:1], fp8_dtype, fp8_max, gen)
+            _store_row_scales(s_hbm, s_all, mine, T, programs)
+            if residual is not None:
+                return q_hbm, s_hbm, res_hbm
+            return q_hbm, s_hbm
         nisa.dma_copy(dst=gam_sb, src=gamma.reshape((1, H)).broadcast(0, GP))
     if not double:
         a_one = nl.ndarray((P, H), dtype=x.dtype, buffer=nl.sbuf)     # h, or x.T as [128, NB, P]
@@ -230,6 +248,90 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
     if residual is not None:
         return q_hbm, s_hbm, res_hbm
     return q_hbm, s_hbm
+
+
+def _rows_tile_chunked(x, gamma, residual, res_hbm, q_hbm, gam_sb, t0, tt, consts, s_col,
+                       fp8_dtype, fp8_max, gen):
+    """One tile of ``tt`` <= 128 rows (dynamic scaling) in column chunks, so loads, passes and
+    stores overlap instead of running one after the other over the whole row.
+
+    Pass 1, per chunk as it lands: x (and gamma, broadcast to the partitions) by DMA; GpSimd
+    g = bf16(h * gamma); ScalarE sum of h^2 and VectorE max|g| into per-chunk columns. Then the
+    row scalars (ss, m: one small reduce each; rstd, k, scale). Pass 2, per chunk:
+    q = fp8(g * k) spread over ScalarE (activation copy with a per-row scale), GpSimd and VectorE
+    in proportion to their speed, and stored as it is made. The data q is the whole-row path's
+    (a maximum is exact in any order); ss adds per-chunk fp32 partial sums of the same squares,
+    a different order than one running sum (the same value on rows whose sums are exact).
+    """
+    H = x.shape[1]
+    bounds = [(c0, min(H, c0 + ROW_CHUNK)) for c0 in range(0, H, ROW_CHUNK)]
+    nc = len(bounds)
+    h_sb = nl.ndarray((tt, H), dtype=x.dtype, buffer=nl.sbuf)                   # [tt, H]
+    g_sb = nl.ndarray((tt, H), dtype=nl.bfloat16, buffer=nl.sbuf)              # [tt, H]
+    q_sb = nl.ndarray((tt, H), dtype=fp8_dtype, buffer=nl.sbuf)                # [tt, H]
+    sq = nl.ndarray((tt, ROW_CHUNK), dtype=nl.bfloat16, buffer=nl.sbuf)       # ScalarE scratch
+    ab = nl.ndarray((tt, ROW_CHUNK), dtype=nl.bfloat16, buffer=nl.sbuf)       # VectorE scratch
+    ss_parts = nl.ndarray((tt, nc), dtype=nl.float32, buffer=nl.sbuf)
+    m_parts = nl.ndarray((tt, nc), dtype=nl.float32, buffer=nl.sbuf)
+    g_row = gamma.reshape((1, H))
+    for j, (c0, c1) in enumerate(bounds):
+        w = c1 - c0
+        nisa.dma_copy(dst=gam_sb[0:tt, c0:c1], src=g_row[:, c0:c1].broadcast(0, tt))
+        if residual is None:
+            nisa.dma_copy(dst=h_sb[:, c0:c1], src=x[t0:t0 + tt, c0:c1])
+        else:
+            nisa.dma_compute(dst=h_sb[:, c0:c1],
+                             srcs=[x[t0:t0 + tt, c0:c1], residual[t0:t0 + tt, c0:c1]],
+                             reduce_op=nl.add)
+            nisa.dma_copy(dst=res_hbm[t0:t0 + tt, c0:c1], src=h_sb[:, c0:c1])
+        nisa.tensor_tensor(dst=g_sb[:, c0:c1], data1=h_sb[:, c0:c1], data2=gam_sb[0:tt, c0:c1],
+                           op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.activation(dst=sq[:, 0:w], op=nl.square, data=h_sb[:, c0:c1], reduce_op=nl.add,
+                        reduce_res=ss_parts[:, j:j + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.tensor_scalar_reduce(dst=ab[:, 0:w], data=g_sb[:, c0:c1], op0=nl.abs, operand0=0.0,
+                                  reduce_op=nl.maximum, reduce_res=m_parts[:, j:j + 1])
+    ss = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=ss, data=ss_parts, op=nl.add, axis=1)
+    m = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m, data=m_parts, op=nl.maximum, axis=1)
+    rstd, z = _rstd(ss, consts)
+    k = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
+    _row_scale(m, rstd, z, k, s_col, fp8_max)
+    for c0 in range(0, H, Q_CHUNK):                  # each store chunk split over the engines
+        c1 = min(H, c0 + Q_CHUNK)
+        for eng, a0, a1 in _pass2_split(c0, c1, gen):
+            if eng == "scalar":
+                nisa.activation(dst=q_sb[:, a0:a1], op=nl.copy, data=g_sb[:, a0:a1], scale=k)
+            elif eng == "gpsimd":
+                nisa.tensor_tensor(dst=q_sb[:, a0:a1], data1=g_sb[:, a0:a1],
+                                   data2=k.broadcast(1, a1 - a0), op=nl.multiply,
+                                   engine=nisa.engine.gpsimd)
+            else:
+                nisa.tensor_scalar(dst=q_sb[:, a0:a1], data=g_sb[:, a0:a1], op0=nl.multiply,
+                                   operand0=k)
+        nisa.dma_copy(dst=q_hbm[t0:t0 + tt, c0:c1], src=q_sb[:, c0:c1])
+
+
+# elements per ns of a q = fp8(g * k) pass, as the cost model prices them (docs/cost-model.md): Trn2
+# ScalarE and GpSimd ~1.2, VectorE ~0.95 (no fast mode with an fp8 output); Trn3 VectorE ~4.9
+# (fp8 is a fast-mode type), ScalarE ~1.15 (its 2x bf16 rate needs a bf16 output), and GpSimd is
+# left out: its SBUF accesses share a bus with VectorE's fast mode
+_PASS2_RATE = {3: (("scalar", 1.2), ("gpsimd", 1.2), ("vector", 0.95)),
+               4: (("vector", 4.9), ("scalar", 1.15))}
+
+
+def _pass2_split(c0, c1, gen):
+    """``(engine, a0, a1)`` column ranges of [c0, c1) in proportion to the engines' rates (whole
+    multiples of 32 columns, the rest to the last engine)."""
+    rates = _PASS2_RATE[4 if gen >= 4 else 3]
+    total = sum(r for _, r in rates)
+    out, a0 = [], c0
+    for n, (eng, r) in enumerate(rates):
+        a1 = c1 if n == len(rates) - 1 else min(c1, a0 + int((c1 - c0) * r / total) // 32 * 32)
+        if a1 > a0:
+            out.append((eng, a0, a1))
+        a0 = a1
+    return out
 
 
 def _gamma_diag(gamma, NB):
@@ -323,15 +425,7 @@ def _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, static_scale, gen):
                                       reduce_op=nl.maximum, reduce_res=m)
         # bf16 mc: rounding is monotonic, so bf16(max|g|) = max|bf16(g)| whether the abs-max
         # accumulator saw g before or after its cast to bf16 (spec silent on which).
-        mc = nl.ndarray((tt, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=mc, data=m, op0=nl.abs, operand0=0.0, op1=nl.maximum,
-                           operand1=AMAX_FLOOR)
-        r = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.reciprocal(dst=r, data=mc)
-        nisa.tensor_scalar(dst=k, data=r, op0=nl.multiply, operand0=fp8_max, op1=nl.add,
-                           operand1=z)
-        nisa.tensor_scalar(dst=s_col, data=mc, op0=nl.multiply, operand0=1.0 / fp8_max,
-                           op1=nl.multiply, operand1=rstd)
+        _row_scale(m, rstd, z, k, s_col, fp8_max)
         if gen >= 4:
             nisa.tensor_scalar(dst=q_sb, data=g_sb, op0=nl.multiply, operand0=k)
         else:
@@ -344,6 +438,21 @@ def _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, static_scale, gen):
         nisa.tensor_scalar(dst=t32, data=g_sb, op0=nl.multiply, operand0=k, op1=nl.minimum,
                            operand1=fp8_max)
         nisa.tensor_scalar(dst=q_sb, data=t32, op0=nl.maximum, operand0=-fp8_max)
+
+
+def _row_scale(m, rstd, z, k, s_col, fp8_max):
+    """Dynamic per-row factors from m = max|g| (possibly signed): mc = bf16(max(|m|, 2^-100)),
+    k = (1/mc) * fp8_max + z, scale = mc * (1/fp8_max) * rstd (into ``s_col``)."""
+    tt = m.shape[0]
+    mc = nl.ndarray((tt, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=mc, data=m, op0=nl.abs, operand0=0.0, op1=nl.maximum,
+                       operand1=AMAX_FLOOR)
+    r = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=r, data=mc)
+    nisa.tensor_scalar(dst=k, data=r, op0=nl.multiply, operand0=fp8_max, op1=nl.add,
+                       operand1=z)
+    nisa.tensor_scalar(dst=s_col, data=mc, op0=nl.multiply, operand0=1.0 / fp8_max,
+                       op1=nl.multiply, operand1=rstd)
 
 
 def _store_row_scales(s_hbm, s_all, mine, T, programs):
