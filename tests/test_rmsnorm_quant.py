@@ -279,6 +279,24 @@ def test_mx_large_h_single_buffered(rng):
     assert_mx_equal(mx, *R.rmsnorm_quant_mx_ref(x, g), 32768)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_mx_lone_tile_in_order(rng, residual):
+    """One tile (T <= 128): the load and sum of squares in 1024-column chunks, the chunks
+    quantized in order and stored slot by slot; H = 7168 is 14 chunks of 512, the last scale slot
+    half full. Bit-exact, NaN / inf / zero rows included."""
+    T, H = 128, 7168
+    x = adversarial(rng, T, H)
+    g = rng.standard_normal(H).astype(BF16)
+    res = adversarial(rng, T, H, nonfinite=False) if residual else None
+    with target("trn3"):
+        out = run(x, g, residual=res, quant="mx")
+    ref = R.rmsnorm_quant_mx_ref(x, g, residual=res)
+    mx = out[0] if residual else out
+    assert_mx_equal(mx, ref[0], ref[1], H)
+    if residual:
+        assert np.array_equal(canon_bf16(out[1]), canon_bf16(ref[2]))
+
+
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
 def test_mx_formats_residual_lnc2(rng, fmt):
     T, H = 300, 1024

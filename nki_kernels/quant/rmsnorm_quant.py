@@ -112,6 +112,29 @@ def _load_rows(h_sb, x, residual, res_hbm, t0, tt):
     nisa.dma_copy(dst=res_hbm[t0:t0 + tt, :], src=h_sb)
 
 
+def _load_sum_squares_chunked(h_sb, sq_sb, x, residual, res_hbm, t0, tt):
+    """A lone tile's load and sum of squares in ROW_CHUNK-column chunks, so ScalarE sums each
+    chunk as it lands (per-chunk fp32 partial sums, added on VectorE); squares land in
+    ``sq_sb``. Returns ss [tt, 1] fp32."""
+    H = h_sb.shape[1]
+    bounds = [(c0, min(H, c0 + ROW_CHUNK)) for c0 in range(0, H, ROW_CHUNK)]
+    parts = nl.ndarray((tt, len(bounds)), dtype=nl.float32, buffer=nl.sbuf)
+    for j, (c0, c1) in enumerate(bounds):
+        if residual is None:
+            nisa.dma_copy(dst=h_sb[:, c0:c1], src=x[t0:t0 + tt, c0:c1])
+        else:
+            nisa.dma_compute(dst=h_sb[:, c0:c1],
+                             srcs=[x[t0:t0 + tt, c0:c1], residual[t0:t0 + tt, c0:c1]],
+                             reduce_op=nl.add)
+            nisa.dma_copy(dst=res_hbm[t0:t0 + tt, c0:c1], src=h_sb[:, c0:c1])
+        nisa.activation(dst=sq_sb[:, c0:c1], op=nl.square, data=h_sb[:, c0:c1],
+                        reduce_op=nl.add, reduce_res=parts[:, j:j + 1],
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    ss = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=ss, data=parts, op=nl.add, axis=1)
+    return ss
+
+
 def _sum_squares_act(h_sb, sq_sb):
     """[tt, 1] fp32 sum of h^2 along the free dim on ScalarE (squares land in ``sq_sb``)."""
     ss = nl.ndarray((h_sb.shape[0], 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -522,8 +545,7 @@ def rmsnorm_quant_mx_kernel(x, gamma, residual, eps, mx_x4, double):
         res_hbm = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
     data_x4 = data_hbm.view(mx_x4)                                               # [128, KT*T]
     programs, pid = _programs()
-    ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)                       # [128, 128]
-    gT = _gamma_columns(gamma, KT)                                               # [128, 4, KT]
+    ident = gT = None             # made after the first tile's loads are issued (same DMA rings)
     consts = _row_consts(H, eps)
     if not double:
         h_one = nl.ndarray((P, H), dtype=x.dtype, buffer=nl.sbuf)
@@ -546,8 +568,14 @@ def rmsnorm_quant_mx_kernel(x, gamma, residual, eps, mx_x4, double):
                 y1 = nl.ndarray((tt, H), dtype=nl.bfloat16, buffer=nl.sbuf)       # [tt, H]
             else:
                 h_sb, y1 = h_one[0:tt, :], y_one[0:tt, :]
-            _load_rows(h_sb, x, residual, res_hbm, t0, tt)
-            ss = _sum_squares_act(h_sb, y1)
+            if len(tiles) == 1:           # a lone tile: the sum of squares follows the chunks in
+                ss = _load_sum_squares_chunked(h_sb, y1, x, residual, res_hbm, t0, tt)
+            else:
+                _load_rows(h_sb, x, residual, res_hbm, t0, tt)
+                ss = _sum_squares_act(h_sb, y1)
+            if gT is None:
+                ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)               # [128, 128]
+                gT = _gamma_columns(gamma, KT)                                       # [128, 4, KT]
         if pending is not None:
             (pt0, ptt), py1 = pending
             if double:
@@ -557,11 +585,23 @@ def rmsnorm_quant_mx_kernel(x, gamma, residual, eps, mx_x4, double):
                 q_sb, s_sb = q_one[:, :, 0:ptt], s_one[:, :, 0:ptt]
             if KT % 4:                    # image rows of the chunks past KT in the last slot
                 nisa.memset(dst=s_sb[:, SL - 1, :], value=0)
-            _mx_tile_back(py1, q_sb, s_sb, gT, ident, ptt, KT)
-            nisa.dma_copy(dst=data_x4[:, KT * pt0:KT * (pt0 + ptt)], src=q_sb)
-            for Q in range(4):            # SBUF partition 32Q + r -> scale image row 16Q + r
-                nisa.dma_copy(dst=scale_hbm[16 * Q:16 * Q + 16, SL * pt0:SL * (pt0 + ptt)],
-                              src=s_sb[32 * Q:32 * Q + 16, :, :])
+            def store(sl0, sl1, pt0=pt0, ptt=ptt, q_sb=q_sb, s_sb=s_sb):
+                """Chunks [4 sl0, 4 sl1) of the tile: data and (SBUF partition 32Q + r -> scale
+                image row 16Q + r) their scale slots."""
+                k0, k1 = 4 * sl0, min(KT, 4 * sl1)
+                nisa.dma_copy(dst=data_x4[:, KT * pt0 + k0 * ptt:KT * pt0 + k1 * ptt],
+                              src=q_sb[:, k0:k1, :])
+                for Q in range(4):
+                    nisa.dma_copy(dst=scale_hbm[16 * Q:16 * Q + 16,
+                                                SL * pt0 + sl0 * ptt:SL * pt0 + sl1 * ptt],
+                                  src=s_sb[32 * Q:32 * Q + 16, sl0:sl1, :])
+
+            if len(tiles) == 1:           # a lone tile: chunks in order, stored as slots fill
+                _mx_tile_back(py1, q_sb, s_sb, gT, ident, ptt, KT,
+                              on_slot=lambda sl: store(sl, sl + 1))
+            else:
+                _mx_tile_back(py1, q_sb, s_sb, gT, ident, ptt, KT)
+                store(0, SL)
             pending = None
         if j < len(tiles):
             rstd, _ = _rstd(ss, consts)
@@ -576,16 +616,18 @@ def rmsnorm_quant_mx_kernel(x, gamma, residual, eps, mx_x4, double):
     return data_hbm, scale_hbm
 
 
-def _mx_tile_back(y1, q_sb, s_sb, gT, ident, tt, KT):
+def _mx_tile_back(y1, q_sb, s_sb, gT, ident, tt, KT, on_slot=None):
     """One tile's back half: per 512 columns, 4 TensorE transposes (columns q::4) to
     [128 p, 4 q, tt], the eviction times gamma into [128, tt, 4], and quantize_mx into the tile's
     x4 output and quadrant scales. ScalarE evicts one chunk in ACT_EVICT_EVERY (issued first:
     its stream reaches them right after the next tile's sum of squares); VectorE evicts the rest,
     quantizing chunk c after evicting chunk c+1 (never waiting on the instruction it just issued)
-    and ScalarE's chunks last."""
+    and ScalarE's chunks last.
+
+    ``on_slot(sl)`` (a lone tile: no next tile to overlap): every chunk is transposed, evicted
+    and quantized in order, ScalarE's in their place, and ``on_slot`` is called as each scale
+    slot of four chunks is complete, so the stores start while the rest is made."""
     act = [kt for kt in range(KT) if kt % ACT_EVICT_EVERY == ACT_EVICT_EVERY // 2]
-    dve = [kt for kt in range(KT) if kt not in act]
-    done = []
 
     def transposed(kt):
         # a whole 2 KiB bank per tile: VectorE and ScalarE evictions of different chunks then
@@ -598,23 +640,35 @@ def _mx_tile_back(y1, q_sb, s_sb, gT, ident, tt, KT):
                            moving=ident[0:tt, 0:tt], is_transpose=True)
         return tp
 
-    def quantize(kt, yT):
-        nisa.quantize_mx(dst=q_sb[:, kt, :], src=yT,
-                         dst_scale=s_sb[4 * (kt % 4):P, kt // 4, :])
-
-    for kt in act:
+    def evict_act(kt):
         tp = transposed(kt)
         yq = nl.ndarray((P, 4, tt), dtype=nl.bfloat16, buffer=nl.sbuf)             # [128, 4, tt]
         for q in range(4):        # four contiguous slabs: no interleaved writes to order
             nisa.activation(dst=yq[:, q, :], op=nl.copy, data=tp[:, q, :],
                             scale=gT[:, q, kt:kt + 1])
-        done.append((kt, yq.permute((0, 2, 1))))                                  # [128, tt, 4]
-    prev = None
-    for kt in dve:
+        return yq.permute((0, 2, 1))                                              # [128, tt, 4]
+
+    def evict_dve(kt):
         tp = transposed(kt)
         yT = nl.ndarray((P, tt, 4), dtype=nl.bfloat16, buffer=nl.sbuf)             # [128, tt, 4]
         g_b = gT[:, :, kt].expand_dim(2).broadcast(2, tt)                          # [128, 4, tt]
         nisa.tensor_tensor(dst=yT.permute((0, 2, 1)), data1=tp, data2=g_b, op=nl.multiply)
+        return yT
+
+    def quantize(kt, yT):
+        nisa.quantize_mx(dst=q_sb[:, kt, :], src=yT,
+                         dst_scale=s_sb[4 * (kt % 4):P, kt // 4, :])
+        if on_slot is not None and (kt % 4 == 3 or kt == KT - 1):
+            on_slot(kt // 4)
+
+    if on_slot is None:
+        done = [(kt, evict_act(kt)) for kt in act]
+        order = [kt for kt in range(KT) if kt not in act]
+    else:
+        done, order = [], range(KT)
+    prev = None
+    for kt in order:
+        yT = evict_act(kt) if kt in act else evict_dve(kt)
         if prev is not None:
             quantize(*prev)
         prev = (kt, yT)
