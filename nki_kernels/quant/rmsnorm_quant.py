@@ -31,6 +31,7 @@ from .mxfp8_matmul import CHUNK, MXTensor
 AMAX_FLOOR = 2.0 ** -100      # rows with max|g| below this are scaled as if it were this
 FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 DT_BLOCKS = 16                # 128-column blocks per DMA transpose: 4 KiB SBUF rows per partition
+FIRST_DT_BLOCKS = 4           # the first tile's first DMA transpose: TensorE starts sooner
 G_BLOCKS = 8                  # 128-column blocks of g per PSUM tile (2 banks; x2 buffers + Gram)
 ACT_EVICT_EVERY = 8           # MX: ScalarE evicts one 512-column chunk in 8, VectorE the others
 DVE_EVICT_EVERY = 4           # FP8 transposed, Trn3: VectorE evicts one g chunk in 4, ScalarE the
@@ -218,7 +219,7 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
     consts = _row_consts(H, eps)
 
     if transposed:
-        dg = _gamma_diag(gamma, H // P)                                          # [128, NB, 128]
+        dg = None                 # built after the first tile's loads are on the DMA rings
         sel = nl.shared_identity_matrix(P, dtype=nl.uint8)                       # [128, 128]
     else:
         GP = min(P, T)                                    # partitions the tiles will use
@@ -252,7 +253,7 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
                 xT = nl.ndarray((P, H // P, tt), dtype=x.dtype, buffer=nl.sbuf)   # [128, NB, tt]
             else:
                 xT = a_one.reshape((P, H // P, P))[:, :, 0:tt]
-            ss, m = _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen)
+            ss, m, dg = _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=li == 0)
         else:
             if double:
                 h_sb = nl.ndarray((tt, H), dtype=x.dtype, buffer=nl.sbuf)         # [tt, H]
@@ -263,6 +264,17 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
                                engine=nisa.engine.gpsimd)
             ss = _sum_squares_act(h_sb, q_sb)
         rstd, z = _rstd(ss, consts)
+        if static_scale is None and li == len(mine) - 1:
+            # the last tile has nothing after it to overlap: its scale-and-cast pass is split
+            # over the engines and stored chunk by chunk
+            if m is None:
+                m = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_scalar_reduce(dst=q_sb, data=g_sb, op0=nl.abs, operand0=0.0,
+                                          reduce_op=nl.maximum, reduce_res=m)
+            k = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
+            _row_scale(m, rstd, z, k, s_all[0:tt, li:li + 1], fp8_max)
+            _quantize_store_chunks(g_sb, q_sb, k, q_hbm, t0, tt, gen)
+            continue
         _quantize_rows(g_sb, q_sb, m, rstd, z, s_all[0:tt, li:li + 1], fp8_max, static_scale,
                        gen)
         nisa.dma_copy(dst=q_hbm[t0:t0 + tt, :], src=q_sb)
@@ -320,7 +332,14 @@ def _rows_tile_chunked(x, gamma, residual, res_hbm, q_hbm, gam_sb, t0, tt, const
     rstd, z = _rstd(ss, consts)
     k = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
     _row_scale(m, rstd, z, k, s_col, fp8_max)
-    for c0 in range(0, H, Q_CHUNK):                  # each store chunk split over the engines
+    _quantize_store_chunks(g_sb, q_sb, k, q_hbm, t0, tt, gen)
+
+
+def _quantize_store_chunks(g_sb, q_sb, k, q_hbm, t0, tt, gen):
+    """q = fp8(g * k) in Q_CHUNK-column store chunks, each split over the engines by rate
+    (_pass2_split) and stored as soon as it is made."""
+    H = g_sb.shape[1]
+    for c0 in range(0, H, Q_CHUNK):
         c1 = min(H, c0 + Q_CHUNK)
         for eng, a0, a1 in _pass2_split(c0, c1, gen):
             if eng == "scalar":
@@ -376,18 +395,27 @@ def _gamma_diag(gamma, NB):
     return dg
 
 
-def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen):
+def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
     """Transposed layout, one tile: x.T blocks by DMA transpose; TensorE g = x * gamma and the
     Gram matrix; the g chunks are evicted to bf16 with a running abs-max. Trn3: ScalarE evicts
     with its abs-max accumulator (activate2) and VectorE takes one chunk in DVE_EVICT_EVERY (copy,
-    then abs-max from the floor); Trn2: ScalarE evicts all, the abs-max is left to the caller.
-    Returns (ss, m or None) with m = max|g| (possibly signed, or floored)."""
+    then abs-max from the floor); Trn2: ScalarE evicts, VectorE takes each chunk's abs-max as it
+    is evicted in the first tile, later tiles leave it to the caller (m None). ``first`` (the kernel's first tile, nothing to overlap its load with): the first
+    DMA transpose moves FIRST_DT_BLOCKS blocks, so TensorE starts sooner; ``dg`` None: built
+    here (from ``gamma``) right after the tile's first transpose, which then does not queue
+    behind it.
+    Returns (ss, m, dg) with m = max|g| (possibly signed, or floored) or None."""
     H = x.shape[1]
     NB = H // P
-    for b0 in range(0, NB, DT_BLOCKS):
-        nb = min(DT_BLOCKS, NB - b0)
+    cuts = list(range(0, NB, DT_BLOCKS))
+    if first and NB > FIRST_DT_BLOCKS:
+        cuts = sorted(set([0, FIRST_DT_BLOCKS] + cuts[1:]))
+    for b0, b1 in zip(cuts, cuts[1:] + [NB]):
+        nb = b1 - b0
         src = x[t0:t0 + tt, b0 * P:(b0 + nb) * P].reshape_dim(1, (nb, P))      # [tt, nb, 128]
         nisa.dma_transpose(dst=xT[:, b0:b0 + nb, :], src=src)                  # [128, nb, tt]
+        if dg is None:        # after the first transpose, ahead of the tile's other ones
+            dg = _gamma_diag(gamma, NB)                                          # [128, NB, 128]
     gram = nl.ndarray((tt, tt), dtype=nl.float32, buffer=nl.psum)             # [tt, tt]
     chunks = list(range(0, NB, G_BLOCKS))
     on_dve = [c0 for i, c0 in enumerate(chunks)
@@ -395,6 +423,10 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen):
     on_act = [c0 for c0 in chunks if c0 not in on_dve]
     m_act = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf) if gen >= 4 else None
     m_dve = [nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in on_dve]
+    # Trn2, first tile: VectorE's abs-max chunk by chunk as ScalarE evicts (the pipeline fills
+    # sooner); later tiles take it in one pass (fewer instructions on the busiest engine)
+    per_chunk = gen < 4 and first
+    m_parts = nl.ndarray((tt, len(chunks)), dtype=nl.float32, buffer=nl.sbuf) if per_chunk else None
     for c0 in chunks:
         gb = min(G_BLOCKS, NB - c0)
         g_ps = nl.ndarray((tt, gb * P), dtype=nl.float32, buffer=nl.psum)      # [tt, gb*128]
@@ -405,6 +437,11 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen):
         cols = g_sb[:, c0 * P:(c0 + gb) * P]
         if gen < 4:
             nisa.activation(dst=cols, op=nl.copy, data=g_ps)
+            if per_chunk:
+                i = chunks.index(c0)
+                junk = nl.ndarray((tt, gb * P), dtype=nl.bfloat16, buffer=nl.sbuf)
+                nisa.tensor_scalar_reduce(dst=junk, data=cols, op0=nl.abs, operand0=0.0,
+                                          reduce_op=nl.maximum, reduce_res=m_parts[:, i:i + 1])
         elif c0 in on_dve:
             nisa.tensor_copy(dst=cols, src=g_ps, engine=nisa.engine.vector)
             junk = nl.ndarray((tt, gb * P), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -424,12 +461,15 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen):
                        reduce_res=ss, reduce_cmd=nisa.reduce_cmd.reset_reduce,
                        reduce_op=nl.maximum)
     m = m_act
+    if per_chunk:
+        m = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=m, data=m_parts, op=nl.maximum, axis=1)
     for md in m_dve:                   # |m_act| combined with the floored VectorE maxima
         mm = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=mm, data=m, op0=nl.abs, operand0=0.0, op1=nl.maximum,
                            operand1=md)
         m = mm
-    return ss, m
+    return ss, m, dg
 
 
 def _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, static_scale, gen):
