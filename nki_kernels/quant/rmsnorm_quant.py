@@ -399,11 +399,11 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
     """Transposed layout, one tile: x.T blocks by DMA transpose; TensorE g = x * gamma and the
     Gram matrix; the g chunks are evicted to bf16 with a running abs-max. Trn3: ScalarE evicts
     with its abs-max accumulator (activate2) and VectorE takes one chunk in DVE_EVICT_EVERY (copy,
-    then abs-max from the floor); Trn2: ScalarE evicts, VectorE takes each chunk's abs-max as it
-    is evicted in the first tile, later tiles leave it to the caller (m None). ``first`` (the kernel's first tile, nothing to overlap its load with): the first
-    DMA transpose moves FIRST_DT_BLOCKS blocks, so TensorE starts sooner; ``dg`` None: built
-    here (from ``gamma``) right after the tile's first transpose, which then does not queue
-    behind it.
+    then abs-max from the floor); Trn2: ScalarE evicts, and VectorE takes each chunk's abs-max as
+    it is evicted in the first tile, while later tiles leave it to the caller (m None).
+    ``first`` (the kernel's first tile, nothing to overlap its load with): the first DMA
+    transpose moves FIRST_DT_BLOCKS blocks, so TensorE starts sooner; ``dg`` None: built here
+    (from ``gamma``) right after the tile's first transpose, which then does not queue behind it.
     Returns (ss, m, dg) with m = max|g| (possibly signed, or floored) or None."""
     H = x.shape[1]
     NB = H // P
