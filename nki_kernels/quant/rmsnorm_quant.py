@@ -668,11 +668,14 @@ def _mx_tile_back(y1, q_sb, s_sb, gT, ident, tt, KT, on_slot=None):
     and quantized in order, ScalarE's in their place, and ``on_slot`` is called as each scale
     slot of four chunks is complete, so the stores start while the rest is made."""
     act = [kt for kt in range(KT) if kt % ACT_EVICT_EVERY == ACT_EVICT_EVERY // 2]
+    held = [None]
 
     def transposed(kt):
         # a whole 2 KiB bank per tile: VectorE and ScalarE evictions of different chunks then
-        # never share a bank (same-bank accesses of the two engines serialise)
+        # never share a bank (same-bank accesses of the two engines serialise). The previous
+        # chunk's bank is held until this one is allocated, so consecutive chunks alternate banks
         bank = nl.ndarray((P, 2, 4, tt), dtype=nl.bfloat16, buffer=nl.psum)
+        held[0] = bank
         tp = bank[:, 0, :, :]                                                     # [128, 4, tt]
         for q in range(4):
             nisa.nc_matmul(dst=tp[:, q, :],
