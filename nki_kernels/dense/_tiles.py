@@ -24,6 +24,7 @@ from ..backend import nisa, nl
 
 TB_MAX = 512            # tokens per block: one 2 KiB fp32 PSUM bank per accumulator tile
 PSUM_BYTES = 16 * 1024  # per partition (8 banks x 2 KiB)
+PSUM_BANK = 2 * 1024
 T_GROUP = 8             # transposes evicted together (one bf16 PSUM bank of [128, 8, 128])
 SQ_CHUNK = 2048         # columns per ScalarE sum-of-squares instruction (bounds its scratch)
 
@@ -401,7 +402,8 @@ def prefetch_weights(ws, K, kb, c0, ncols, double_row=False, tiled=False):
     return [_load_weight_rows(w, K, k0, kn, c0, ncols, double_row) for w in ws]
 
 
-def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, tiled=False):
+def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, tiled=False,
+              mid=None):
     """Weight-stationary GEMM pass: for each weight ``w [K, N]`` in ``ws``,
     ``acc[f][0:nn_f, 0:T] = w[:, cols_f].T @ x[0:T, :].T`` accumulated over K in PSUM.
 
@@ -416,6 +418,8 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
     first: the list ``prefetch_weights`` returned for this pass; gemm_pass empties it (takes the
     chunks over), so the prefetched chunk is released after its last matmul, not at the end of
     the pass.
+    mid: called once the first weight chunk's matmuls are issued (a previous pass's epilogue:
+    its TensorE transposes then run while this pass's weights stream in, instead of after them).
     Returns one PSUM tensor ``[128, nf, Tp]`` fp32 per weight.
     """
     nf = len(widths)
@@ -455,6 +459,9 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
                         mov = xT[0:kk, kt, 0:T]                                # [kk, T]
                     nisa.nc_matmul(dst=acc[0:nn, f, 0:T], stationary=stat, moving=mov,
                                    accumulate=(kt > 0), perf_mode=perf)
+        if mid is not None:
+            mid()
+            mid = None
     return accs
 
 
@@ -586,9 +593,10 @@ def gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row=False, tiled=F
 
 
 def gemm_pass_sbuf(led, nweights, K, widths, kb, itemsize, double_row=False, tiled=False,
-                   prefetched=False):
+                   prefetched=False, mid=None):
     """``gemm_pass``: each weight transfer lands while the previous one is still held (double
-    buffering); with ``prefetched`` the first one (``prefetch_weights``, name "w") is live."""
+    buffering); with ``prefetched`` the first one (``prefetch_weights``, name "w") is live;
+    ``mid`` runs while the first one is held, as ``gemm_pass(mid=...)`` does."""
     prev = None
     for ci, nb in enumerate(gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row,
                                             tiled)):
@@ -598,4 +606,7 @@ def gemm_pass_sbuf(led, nweights, K, widths, kb, itemsize, double_row=False, til
         if prev is not None:
             led.drop(prev)
         prev = name
+        if mid is not None:
+            mid()
+            mid = None
     led.drop(prev)

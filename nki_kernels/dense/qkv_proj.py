@@ -129,6 +129,12 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
 
 
 # ------------------------------------------------------------------------------ SBUF plan
+def _epilogue_in_pass(nf, tb):
+    """The previous pass's epilogue runs inside a pass of ``nf`` accumulator tiles (after its
+    first weight chunk) when they leave it two PSUM banks: its transposes take one."""
+    return nf * D.acc_free(tb) * 4 + 2 * D.PSUM_BANK <= D.PSUM_BYTES
+
+
 def qkv_sbuf(T, H, n_q, n_kv, d, tb_max, nf_max, kb, kc=0, ts_max=0, *, norm=True,
              bias=True, residual=True, rot=None, qk_norm=False, k_transposed=False):
     """The kernel's SBUF buffers (bytes per partition) in the order ``qkv_proj_kernel`` takes
@@ -181,8 +187,16 @@ def qkv_sbuf(T, H, n_q, n_kv, d, tb_max, nf_max, kb, kc=0, ts_max=0, *, norm=Tru
             rows = D.rows_sbuf(led, "rows", blocks[bi + 1][1], H, residual, norm)
         blk = ep.block(bi, tb)
         for pi, (i0, i1) in enumerate(passes):
+            early = pending if pi > 0 and _epilogue_in_pass(i1 - i0, tb) else None
+
+            def run_early(e=early, b=blk):
+                ep.run(*e)
+                ep.release(e, b)
+
             D.gemm_pass_sbuf(led, 1, H, [t[1] for t in tiles[i0:i1]], kb, 2,
-                             prefetched=(bi == 0 and pi == 0))
+                             prefetched=(bi == 0 and pi == 0), mid=run_early if early else None)
+            if early:
+                pending = None
             hT = ("hT", bi, pi)
             if late_norm:                               # _evict_pass: rrow scaling first
                 led.take("evict_tmp", 4 * (i1 - i0) * tb)
@@ -385,6 +399,14 @@ def _kc_xT_sbuf(led, name, nsub, kc, tsb, nch, norm, residual, ci, old):
 
 
 # ------------------------------------------------------------------------------------ kernel
+def _store(dst, src):
+    """An epilogue store of q / k / v: hardware DGE from the sync engine, a DMA ring of its own (a
+    ring is tied to the trigger engine and the descriptor method, NKI DMA guide), so a pass's
+    output does not queue behind the weight stream's prefetched loads on the static-descriptor
+    ring."""
+    nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
+
+
 @nki.jit
 def qkv_proj_kernel(x, w, bias, residual, norm_w, q_norm_w, k_norm_w, cos, sin,
                     n_q, n_kv, d, eps, qk_eps, rot, interleaved, k_transposed,
@@ -479,8 +501,15 @@ def qkv_proj_kernel(x, w, bias, residual, norm_w, q_norm_w, k_norm_w, cos, sin,
         Tp = D.acc_free(tb)
         blk = ctx.block(t0, tb)
         for pi, (i0, i1) in enumerate(passes):
+            # the previous pass's epilogue runs inside this pass, after its first weight chunk
+            # (its transposes then overlap this pass's weight stream instead of waiting for it),
+            # when this pass's accumulators leave it two PSUM banks (its transposes take one)
             widths = [tiles[i][1] for i in range(i0, i1)]
-            acc = D.gemm_pass([w], xT, H, tb, Tp, widths, tiles[i0][0], kb, first=first)[0]
+            early = pending if pi > 0 and _epilogue_in_pass(i1 - i0, tb) else None
+            acc = D.gemm_pass([w], xT, H, tb, Tp, widths, tiles[i0][0], kb, first=first,
+                              mid=(lambda e=early: ctx.epilogue(*e)) if early else None)[0]
+            if early:
+                pending = None
             first = None
             hT = nl.ndarray((P, i1 - i0, tb), dtype=bf16, buffer=nl.sbuf)  # [128, nf, tb]
             ev = _evict_pass(hT, acc, tiles, i0, i1, tb, bias_T, ev, rrow)
@@ -808,7 +837,7 @@ class _Ctx:
             self._store_kT_token(stage, blk, h0, nh)
             return
         dst = out[h0:h0 + nh, t0:t0 + P * R, :].reshape_dim(1, (P, R)).permute((1, 0, 2, 3))
-        nisa.dma_copy(dst=dst, src=stage)
+        _store(dst, stage)
 
     def _pair_lanes(self, blk, hT, i0, f, g, kind):
         """Leftover r < 128 tokens: lanes are (unit, token) pairs, unit = a feature tile of
@@ -857,7 +886,7 @@ class _Ctx:
                 out = self.outs[kind]
                 dst = out[hh:hh + nheads, lo:lo + r, :].reshape_dim(0, (ng, hpu)).permute(
                     (0, 2, 1, 3))
-                nisa.dma_copy(dst=dst, src=stage)
+                _store(dst, stage)
             del stage   # the next unit group's stage does not overlap this one
             hh += nheads
             u = v
@@ -945,7 +974,7 @@ class _Ctx:
                     nisa.tensor_copy(dst=kT[:, c, hh, j:j + R * (P - 1) + 1:R], src=tp)
         k = self.outs[1]
         dst = k[h0:h0 + nh, :, t0:t0 + P * R].reshape_dim(1, (nd, dp)).permute((2, 1, 0, 3))
-        nisa.dma_copy(dst=dst, src=kT)
+        _store(dst, kT)
 
     def _store_kT_pair(self, stage, lo, r, hh, ng, hpu, L):
         """Pair-lane k [L=(unit, t), hpu, d] -> k[h, :, lo:lo + r]."""
@@ -963,7 +992,7 @@ class _Ctx:
         nh = ng * hpu
         dst = k[hh:hh + nh, :, lo:lo + r].reshape_dim(1, (nd, dp)).reshape_dim(0, (ng, hpu))
         dst = dst.permute((3, 2, 0, 1, 4))                    # [dp, nd, ng, hpu, r]
-        nisa.dma_copy(dst=dst, src=kT)
+        _store(dst, kT)
 
 
 def _bc(t, G):
