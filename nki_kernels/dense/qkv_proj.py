@@ -129,10 +129,16 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
 
 
 # ------------------------------------------------------------------------------ SBUF plan
+EARLY_EPILOGUE_T = 32    # below it a pass's stores are small, and moving them into the weight
+                         # stream costs more than it saves (Llama-3-8B T=8 modeled 148.4 ->
+                         # 150.0 us on Trn2 with it, T=32 153.2 -> 151.3)
+
+
 def _epilogue_in_pass(nf, tb):
     """The previous pass's epilogue runs inside a pass of ``nf`` accumulator tiles (after its
-    first weight chunk) when they leave it two PSUM banks: its transposes take one."""
-    return nf * D.acc_free(tb) * 4 + 2 * D.PSUM_BANK <= D.PSUM_BYTES
+    first weight chunk) for blocks of at least EARLY_EPILOGUE_T tokens, when the accumulators
+    leave it two PSUM banks: its transposes take one."""
+    return tb >= EARLY_EPILOGUE_T and nf * D.acc_free(tb) * 4 + 2 * D.PSUM_BANK <= D.PSUM_BYTES
 
 
 def qkv_sbuf(T, H, n_q, n_kv, d, tb_max, nf_max, kb, kc=0, ts_max=0, *, norm=True,
@@ -399,14 +405,6 @@ def _kc_xT_sbuf(led, name, nsub, kc, tsb, nch, norm, residual, ci, old):
 
 
 # ------------------------------------------------------------------------------------ kernel
-def _store(dst, src):
-    """An epilogue store of q / k / v: hardware DGE from the sync engine, a DMA ring of its own (a
-    ring is tied to the trigger engine and the descriptor method, NKI DMA guide), so a pass's
-    output does not queue behind the weight stream's prefetched loads on the static-descriptor
-    ring."""
-    nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
-
-
 @nki.jit
 def qkv_proj_kernel(x, w, bias, residual, norm_w, q_norm_w, k_norm_w, cos, sin,
                     n_q, n_kv, d, eps, qk_eps, rot, interleaved, k_transposed,
@@ -837,7 +835,7 @@ class _Ctx:
             self._store_kT_token(stage, blk, h0, nh)
             return
         dst = out[h0:h0 + nh, t0:t0 + P * R, :].reshape_dim(1, (P, R)).permute((1, 0, 2, 3))
-        _store(dst, stage)
+        nisa.dma_copy(dst=dst, src=stage)
 
     def _pair_lanes(self, blk, hT, i0, f, g, kind):
         """Leftover r < 128 tokens: lanes are (unit, token) pairs, unit = a feature tile of
@@ -886,7 +884,7 @@ class _Ctx:
                 out = self.outs[kind]
                 dst = out[hh:hh + nheads, lo:lo + r, :].reshape_dim(0, (ng, hpu)).permute(
                     (0, 2, 1, 3))
-                _store(dst, stage)
+                nisa.dma_copy(dst=dst, src=stage)
             del stage   # the next unit group's stage does not overlap this one
             hh += nheads
             u = v
@@ -974,7 +972,7 @@ class _Ctx:
                     nisa.tensor_copy(dst=kT[:, c, hh, j:j + R * (P - 1) + 1:R], src=tp)
         k = self.outs[1]
         dst = k[h0:h0 + nh, :, t0:t0 + P * R].reshape_dim(1, (nd, dp)).permute((2, 1, 0, 3))
-        _store(dst, kT)
+        nisa.dma_copy(dst=dst, src=kT)
 
     def _store_kT_pair(self, stage, lo, r, hh, ng, hpu, L):
         """Pair-lane k [L=(unit, t), hpu, d] -> k[h, :, lo:lo + r]."""
@@ -992,7 +990,7 @@ class _Ctx:
         nh = ng * hpu
         dst = k[hh:hh + nh, :, lo:lo + r].reshape_dim(1, (nd, dp)).reshape_dim(0, (ng, hpu))
         dst = dst.permute((3, 2, 0, 1, 4))                    # [dp, nd, ng, hpu, r]
-        _store(dst, kT)
+        nisa.dma_copy(dst=dst, src=kT)
 
 
 def _bc(t, G):
