@@ -101,16 +101,18 @@ def _programs():
     return programs, pid
 
 
-def _load_rows(h_sb, x, residual, res_hbm, t0, tt):
-    """h_sb [tt, H] = x rows [t0, t0+tt); with a residual, h = bf16(x + residual) is formed by the
-    DMA engines on the way in (dma_compute, fp32 add: no engine pass) and stored back as the
-    updated residual."""
+def _load_rows(h_sb, x, residual, res_hbm, t0, tt, c0=0, c1=None):
+    """h_sb [tt, c0:c1] = x rows [t0, t0+tt), columns [c0, c1) (default all); with a residual,
+    h = bf16(x + residual) is formed by the DMA engines on the way in (dma_compute, fp32 add: no
+    engine pass) and stored back as the updated residual."""
+    c1 = x.shape[1] if c1 is None else c1
+    rows, cols = slice(t0, t0 + tt), slice(c0, c1)
     if residual is None:
-        nisa.dma_copy(dst=h_sb, src=x[t0:t0 + tt, :])
+        nisa.dma_copy(dst=h_sb[:, cols], src=x[rows, cols])
         return
-    nisa.dma_compute(dst=h_sb, srcs=[x[t0:t0 + tt, :], residual[t0:t0 + tt, :]],
+    nisa.dma_compute(dst=h_sb[:, cols], srcs=[x[rows, cols], residual[rows, cols]],
                      reduce_op=nl.add)
-    nisa.dma_copy(dst=res_hbm[t0:t0 + tt, :], src=h_sb)
+    nisa.dma_copy(dst=res_hbm[rows, cols], src=h_sb[:, cols])
 
 
 def _load_sum_squares_chunked(h_sb, sq_sb, x, residual, res_hbm, t0, tt):
@@ -121,13 +123,7 @@ def _load_sum_squares_chunked(h_sb, sq_sb, x, residual, res_hbm, t0, tt):
     bounds = [(c0, min(H, c0 + ROW_CHUNK)) for c0 in range(0, H, ROW_CHUNK)]
     parts = nl.ndarray((tt, len(bounds)), dtype=nl.float32, buffer=nl.sbuf)
     for j, (c0, c1) in enumerate(bounds):
-        if residual is None:
-            nisa.dma_copy(dst=h_sb[:, c0:c1], src=x[t0:t0 + tt, c0:c1])
-        else:
-            nisa.dma_compute(dst=h_sb[:, c0:c1],
-                             srcs=[x[t0:t0 + tt, c0:c1], residual[t0:t0 + tt, c0:c1]],
-                             reduce_op=nl.add)
-            nisa.dma_copy(dst=res_hbm[t0:t0 + tt, c0:c1], src=h_sb[:, c0:c1])
+        _load_rows(h_sb, x, residual, res_hbm, t0, tt, c0, c1)
         nisa.activation(dst=sq_sb[:, c0:c1], op=nl.square, data=h_sb[:, c0:c1],
                         reduce_op=nl.add, reduce_res=parts[:, j:j + 1],
                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
@@ -312,13 +308,7 @@ def _rows_tile_chunked(x, gamma, residual, res_hbm, q_hbm, gam_sb, t0, tt, const
     for j, (c0, c1) in enumerate(bounds):
         w = c1 - c0
         nisa.dma_copy(dst=gam_sb[0:tt, c0:c1], src=g_row[:, c0:c1].broadcast(0, tt))
-        if residual is None:
-            nisa.dma_copy(dst=h_sb[:, c0:c1], src=x[t0:t0 + tt, c0:c1])
-        else:
-            nisa.dma_compute(dst=h_sb[:, c0:c1],
-                             srcs=[x[t0:t0 + tt, c0:c1], residual[t0:t0 + tt, c0:c1]],
-                             reduce_op=nl.add)
-            nisa.dma_copy(dst=res_hbm[t0:t0 + tt, c0:c1], src=h_sb[:, c0:c1])
+        _load_rows(h_sb, x, residual, res_hbm, t0, tt, c0, c1)
         nisa.tensor_tensor(dst=g_sb[:, c0:c1], data1=h_sb[:, c0:c1], data2=gam_sb[0:tt, c0:c1],
                            op=nl.multiply, engine=nisa.engine.gpsimd)
         nisa.activation(dst=sq[:, 0:w], op=nl.square, data=h_sb[:, c0:c1], reduce_op=nl.add,
