@@ -115,12 +115,16 @@ def _load_rows(h_sb, x, residual, res_hbm, t0, tt, c0=0, c1=None):
     nisa.dma_copy(dst=res_hbm[rows, cols], src=h_sb[:, cols])
 
 
+def _col_chunks(H, size):
+    """``[(c0, c1)]`` column ranges of at most ``size`` covering [0, H)."""
+    return [(c0, min(H, c0 + size)) for c0 in range(0, H, size)]
+
+
 def _load_sum_squares_chunked(h_sb, sq_sb, x, residual, res_hbm, t0, tt):
     """A lone tile's load and sum of squares in ROW_CHUNK-column chunks, so ScalarE sums each
     chunk as it lands (per-chunk fp32 partial sums, added on VectorE); squares land in
     ``sq_sb``. Returns ss [tt, 1] fp32."""
-    H = h_sb.shape[1]
-    bounds = [(c0, min(H, c0 + ROW_CHUNK)) for c0 in range(0, H, ROW_CHUNK)]
+    bounds = _col_chunks(h_sb.shape[1], ROW_CHUNK)
     parts = nl.ndarray((tt, len(bounds)), dtype=nl.float32, buffer=nl.sbuf)
     for j, (c0, c1) in enumerate(bounds):
         _load_rows(h_sb, x, residual, res_hbm, t0, tt, c0, c1)
@@ -214,23 +218,16 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
     s_all = nl.ndarray((P, max(1, len(mine))), dtype=nl.float32, buffer=nl.sbuf)  # [128, NTl]
     consts = _row_consts(H, eps)
 
+    lone = not transposed and len(mine) == 1 and static_scale is None  # column chunks (below)
     if transposed:
         dg = None                 # built after the first tile's loads are on the DMA rings
         sel = nl.shared_identity_matrix(P, dtype=nl.uint8)                       # [128, 128]
     else:
         GP = min(P, T)                                    # partitions the tiles will use
         gam_sb = nl.ndarray((GP, H), dtype=gamma.dtype, buffer=nl.sbuf)           # [GP, H]
-        if len(mine) == 1 and static_scale is None:       # one tile: column chunks, below
-            t0 = mine[0] * P
-            tt = min(P, T - t0)
-            _rows_tile_chunked(x, gamma, residual, res_hbm, q_hbm, gam_sb, t0, tt, consts,
-                               s_all[0:tt, 0:1], fp8_dtype, fp8_max, gen)
-            _store_row_scales(s_hbm, s_all, mine, T, programs)
-            if residual is not None:
-                return q_hbm, s_hbm, res_hbm
-            return q_hbm, s_hbm
-        nisa.dma_copy(dst=gam_sb, src=gamma.reshape((1, H)).broadcast(0, GP))
-    if not double:
+        if not lone:
+            nisa.dma_copy(dst=gam_sb, src=gamma.reshape((1, H)).broadcast(0, GP))
+    if not double and not lone:
         a_one = nl.ndarray((P, H), dtype=x.dtype, buffer=nl.sbuf)     # h, or x.T as [128, NB, P]
         g_one = nl.ndarray((P, H), dtype=nl.bfloat16, buffer=nl.sbuf)
         q_one = nl.ndarray((P, H), dtype=fp8_dtype, buffer=nl.sbuf)
@@ -238,6 +235,10 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
     for li, i in enumerate(mine):
         t0 = i * P
         tt = min(P, T - t0)
+        if lone:
+            _rows_tile_chunked(x, gamma, residual, res_hbm, q_hbm, gam_sb, t0, tt, consts,
+                               s_all[0:tt, 0:1], fp8_dtype, fp8_max, gen)
+            continue
         if double:
             g_sb = nl.ndarray((tt, H), dtype=nl.bfloat16, buffer=nl.sbuf)         # [tt, H]
             q_sb = nl.ndarray((tt, H), dtype=fp8_dtype, buffer=nl.sbuf)           # [tt, H]
@@ -260,20 +261,10 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
                                engine=nisa.engine.gpsimd)
             ss = _sum_squares_act(h_sb, q_sb)
         rstd, z = _rstd(ss, consts)
-        if static_scale is None and li == len(mine) - 1:
-            # the last tile has nothing after it to overlap: its scale-and-cast pass is split
-            # over the engines and stored chunk by chunk
-            if m is None:
-                m = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_scalar_reduce(dst=q_sb, data=g_sb, op0=nl.abs, operand0=0.0,
-                                          reduce_op=nl.maximum, reduce_res=m)
-            k = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
-            _row_scale(m, rstd, z, k, s_all[0:tt, li:li + 1], fp8_max)
-            _quantize_store_chunks(g_sb, q_sb, k, q_hbm, t0, tt, gen)
-            continue
+        # the last tile has nothing after it to overlap: its scale-and-cast pass is split over
+        # the engines and stored chunk by chunk
         _quantize_rows(g_sb, q_sb, m, rstd, z, s_all[0:tt, li:li + 1], fp8_max, static_scale,
-                       gen)
-        nisa.dma_copy(dst=q_hbm[t0:t0 + tt, :], src=q_sb)
+                       gen, q_hbm[t0:t0 + tt, :], chunked=li == len(mine) - 1)
 
     _store_row_scales(s_hbm, s_all, mine, T, programs)
     if residual is not None:
@@ -295,7 +286,7 @@ def _rows_tile_chunked(x, gamma, residual, res_hbm, q_hbm, gam_sb, t0, tt, const
     a different order than one running sum (the same value on rows whose sums are exact).
     """
     H = x.shape[1]
-    bounds = [(c0, min(H, c0 + ROW_CHUNK)) for c0 in range(0, H, ROW_CHUNK)]
+    bounds = _col_chunks(H, ROW_CHUNK)
     nc = len(bounds)
     h_sb = nl.ndarray((tt, H), dtype=x.dtype, buffer=nl.sbuf)                   # [tt, H]
     g_sb = nl.ndarray((tt, H), dtype=nl.bfloat16, buffer=nl.sbuf)              # [tt, H]
@@ -320,17 +311,14 @@ def _rows_tile_chunked(x, gamma, residual, res_hbm, q_hbm, gam_sb, t0, tt, const
     m = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=m, data=m_parts, op=nl.maximum, axis=1)
     rstd, z = _rstd(ss, consts)
-    k = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
-    _row_scale(m, rstd, z, k, s_col, fp8_max)
-    _quantize_store_chunks(g_sb, q_sb, k, q_hbm, t0, tt, gen)
+    _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, None, gen, q_hbm[t0:t0 + tt, :],
+                   chunked=True)
 
 
-def _quantize_store_chunks(g_sb, q_sb, k, q_hbm, t0, tt, gen):
+def _quantize_store_chunks(g_sb, q_sb, k, q_dst, gen):
     """q = fp8(g * k) in Q_CHUNK-column store chunks, each split over the engines by rate
-    (_pass2_split) and stored as soon as it is made."""
-    H = g_sb.shape[1]
-    for c0 in range(0, H, Q_CHUNK):
-        c1 = min(H, c0 + Q_CHUNK)
+    (_pass2_split) and stored into ``q_dst`` as soon as it is made."""
+    for c0, c1 in _col_chunks(g_sb.shape[1], Q_CHUNK):
         for eng, a0, a1 in _pass2_split(c0, c1, gen):
             if eng == "scalar":
                 nisa.activation(dst=q_sb[:, a0:a1], op=nl.copy, data=g_sb[:, a0:a1], scale=k)
@@ -341,7 +329,7 @@ def _quantize_store_chunks(g_sb, q_sb, k, q_hbm, t0, tt, gen):
             else:
                 nisa.tensor_scalar(dst=q_sb[:, a0:a1], data=g_sb[:, a0:a1], op0=nl.multiply,
                                    operand0=k)
-        nisa.dma_copy(dst=q_hbm[t0:t0 + tt, c0:c1], src=q_sb[:, c0:c1])
+        nisa.dma_copy(dst=q_dst[:, c0:c1], src=q_sb[:, c0:c1])
 
 
 # elements per ns of a q = fp8(g * k) pass, as the cost model prices them (docs/cost-model.md): Trn2
@@ -462,8 +450,11 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
     return ss, m, dg
 
 
-def _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, static_scale, gen):
-    """q_sb = fp8(g * k) with the per-row k, and the row scales into ``s_col``.
+def _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, static_scale, gen, q_dst,
+                   chunked=False):
+    """q_sb = fp8(g * k) with the per-row k, stored into ``q_dst``, and the row scales into
+    ``s_col``. ``chunked`` (dynamic scaling): the pass is split over the engines and stored in
+    column chunks (_quantize_store_chunks), for a tile with nothing after it to overlap.
 
     Dynamic: m = max|g| (given, possibly signed, or a VectorE abs-max pass here),
     mc = bf16(max(|m|, 2^-100)), k = (1/mc) * fp8_max + z, scale = mc * (1/fp8_max) * rstd.
@@ -479,6 +470,9 @@ def _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, static_scale, gen):
         # bf16 mc: rounding is monotonic, so bf16(max|g|) = max|bf16(g)| whether the abs-max
         # accumulator saw g before or after its cast to bf16 (spec silent on which).
         _row_scale(m, rstd, z, k, s_col, fp8_max)
+        if chunked:
+            _quantize_store_chunks(g_sb, q_sb, k, q_dst, gen)
+            return
         if gen >= 4:
             nisa.tensor_scalar(dst=q_sb, data=g_sb, op0=nl.multiply, operand0=k)
         else:
@@ -491,6 +485,7 @@ def _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, static_scale, gen):
         nisa.tensor_scalar(dst=t32, data=g_sb, op0=nl.multiply, operand0=k, op1=nl.minimum,
                            operand1=fp8_max)
         nisa.tensor_scalar(dst=q_sb, data=t32, op0=nl.maximum, operand0=-fp8_max)
+    nisa.dma_copy(dst=q_dst, src=q_sb)
 
 
 def _row_scale(m, rstd, z, k, s_col, fp8_max):
