@@ -378,9 +378,13 @@ def _pairs(sel):
     return good, total
 
 
+def _fitted(r) -> bool:
+    """A passing case with both a modeled and a published time."""
+    return bool(r.get("modeled_ns") and r.get("published_ns") and r.get("outcome") == "passed")
+
+
 def fit(results) -> dict:
-    ok = [r for r in results if r.get("modeled_ns") and r.get("published_ns")
-          and r.get("outcome") == "passed"]
+    ok = [r for r in results if _fitted(r)]
     out = {}
     for fam in sorted({r["family"] for r in ok}) + ["all"]:
         sel = [r for r in ok if fam == "all" or r["family"] == fam]
@@ -407,7 +411,7 @@ def breakdown(results) -> dict:
     """Ratios t_model / t_pub grouped by (family, LNC, published-time band)."""
     out = {}
     for r in results:
-        if not (r.get("modeled_ns") and r.get("published_ns") and r.get("outcome") == "passed"):
+        if not _fitted(r):
             continue
         us = r["published_ns"] / 1e3
         band = next(name for hi, name in BANDS if us < hi)
@@ -423,7 +427,7 @@ def by_test(results) -> dict:
     from its family's points at that call or at how its baselines were taken."""
     out = {}
     for r in results:
-        if r.get("modeled_ns") and r.get("published_ns") and r.get("outcome") == "passed":
+        if _fitted(r):
             test = r.get("test") or r["nodeid"].split("::")[-1].split("[")[0]
             out.setdefault((r["family"], test), []).append(r["modeled_ns"] / r["published_ns"])
     return dict(sorted(out.items()))
