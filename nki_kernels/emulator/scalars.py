@@ -139,8 +139,10 @@ class ds:
     __slots__ = ("start", "size")
 
     def __init__(self, start, size):
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise ValueError(f"nl.ds: size must be a positive compile-time int; got {size!r}")
+        # size 0 is the empty slice start:start (Python's and NumPy's): a view may be empty, an
+        # instruction operand may not (isa._common.tensor)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"nl.ds: size must be a non-negative compile-time int; got {size!r}")
         self.start = start
         self.size = size
 

@@ -165,7 +165,7 @@ class NkiTensor:
                     start += n
                 if stop < 0:
                     stop += n
-                if not (0 <= start < stop <= n):
+                if not (0 <= start <= stop <= n):
                     raise IndexError(f"slice {start}:{stop} is out of range for dim {d} of "
                                      f"{self.name!r} with shape {self.shape}")
                 offset += start * s

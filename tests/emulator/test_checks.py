@@ -1186,6 +1186,24 @@ def t_ds_too_big():
     nl.fori_loop(0, 1, lambda i: h[nl.ds(i, 16)] and None)
 
 
+@case(q("dma_copy: operand 'src' is an empty view (shape (0, 8))"))
+def t_empty_view_operand():
+    # the view itself may be made (a core with no rows, nl.ds(i, 0)); no instruction takes it
+    h = hb((8, 8))
+    assert h[nl.ds(3, 0)].shape == (0, 8) and h[8:8].shape == (0, 8)
+    nisa.dma_copy(dst=sb((1, 8)), src=h[nl.ds(3, 0)])
+
+
+@case(q("tensor_copy: operand 'src' is an empty view (shape (4, 0))"))
+def t_empty_view_compute():
+    nisa.tensor_copy(sb((4, 8)), sb((4, 8))[:, 2:2])
+
+
+@case(r"nl.ds: size must be a non-negative compile-time int; got -1", exc=ValueError)
+def t_ds_negative():
+    hb((8, 8))[nl.ds(0, -1)]
+
+
 @case(r"NkiTensor.indirect .* is not implemented", exc=NotImplementedError)
 def t_indirect_not_implemented():
     sb((4, 8)).indirect(idx_tile([0, 1, 2, 3]))

@@ -119,6 +119,9 @@ class NkiInstruction:
 
 def emit(engine_name, opcode, reads, writes, attrs=None, name=None):
     """Record the instruction in open traces and return its handle."""
+    for role, t in (*reads, *writes):
+        if isinstance(t, NkiTensor) and 0 in t.shape:
+            tensor(opcode, role, t)  # raises: an empty operand
     rec = tr.record(engine_name, opcode, reads, writes, attrs, name) if rt._tracers else None
     core = rt.maybe_core()
     if core is not None and core.launch.lnc > 1 and any(
@@ -143,6 +146,11 @@ def need_gen(instr, min_version, what=None):
 def tensor(instr, role, t):
     if not isinstance(t, NkiTensor):
         raise fail(instr, role, f"must be an NkiTensor; got {type(t).__name__}")
+    if 0 in t.shape:
+        # an empty view (t[0:0], nl.ds(i, 0)) may be made, e.g. for a core with no work, but the
+        # documentation gives no instruction a zero-size access pattern: refused until it does
+        raise fail(instr, role, f"is an empty view (shape {tuple(t.shape)}); an instruction needs "
+                                f"at least one element per operand")
     return t
 
 
