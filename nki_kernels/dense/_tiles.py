@@ -403,7 +403,7 @@ def prefetch_weights(ws, K, kb, c0, ncols, double_row=False, tiled=False):
 
 
 def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, tiled=False,
-              mid=None):
+              mid=None, halfway=None):
     """Weight-stationary GEMM pass: for each weight ``w [K, N]`` in ``ws``,
     ``acc[f][0:nn_f, 0:T] = w[:, cols_f].T @ x[0:T, :].T`` accumulated over K in PSUM.
 
@@ -420,6 +420,9 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
     the pass.
     mid: called once the first weight chunk's matmuls are issued (a previous pass's epilogue:
     its TensorE transposes then run while this pass's weights stream in, instead of after them).
+    halfway: called once half of the weight chunks' matmuls are issued (TensorE work whose input
+    comes late, e.g. the RMSNorm row broadcast behind ScalarE's sum of squares: issued there it
+    neither stalls the first matmuls nor lengthens the pass's tail).
     Returns one PSUM tensor ``[128, nf, Tp]`` fp32 per weight.
     """
     nf = len(widths)
@@ -462,6 +465,11 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
         if mid is not None:
             mid()
             mid = None
+        if halfway is not None and wi + 1 >= len(work) // 2:
+            halfway()
+            halfway = None
+    if halfway is not None:
+        halfway()
     return accs
 
 
@@ -569,15 +577,21 @@ def rows_sbuf(led, prefix, tb, H, residual, norm):
         if residual:
             led.take("r_rows", 2 * H)
             led.drop("r_rows")
-        if norm:                                        # _rstd: ScalarE squares in chunks
-            for c0 in range(0, H, SQ_CHUNK):
-                led.take("sq", 2 * min(SQ_CHUNK, H - c0))
-                if c0 + SQ_CHUNK >= H:
-                    led.take("ss", 4)
-                led.drop("sq")
-            led.take("rstd", 4)
-            led.drop("ss", "rstd")
+        if norm:
+            rstd_sbuf(led, H)
+            led.drop("rstd")
     return names
+
+
+def rstd_sbuf(led, H):
+    """``_rstd``: ScalarE squares in chunks (scratch), the sum, then "rstd" (left live)."""
+    for c0 in range(0, H, SQ_CHUNK):
+        led.take("sq", 2 * min(SQ_CHUNK, H - c0))
+        if c0 + SQ_CHUNK >= H:
+            led.take("ss", 4)
+        led.drop("sq")
+    led.take("rstd", 4)
+    led.drop("ss")
 
 
 def gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row=False, tiled=False):
@@ -593,13 +607,14 @@ def gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row=False, tiled=F
 
 
 def gemm_pass_sbuf(led, nweights, K, widths, kb, itemsize, double_row=False, tiled=False,
-                   prefetched=False, mid=None):
+                   prefetched=False, mid=None, halfway=None):
     """``gemm_pass``: each weight transfer lands while the previous one is still held (double
     buffering); with ``prefetched`` the first one (``prefetch_weights``, name "w") is live;
-    ``mid`` runs while the first one is held, as ``gemm_pass(mid=...)`` does."""
+    ``mid`` runs while the first one is held, ``halfway`` after half of the transfers, as
+    ``gemm_pass(mid=..., halfway=...)`` do."""
     prev = None
-    for ci, nb in enumerate(gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row,
-                                            tiled)):
+    loads = gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row, tiled)
+    for ci, nb in enumerate(loads):
         name = "w" if ci == 0 and prefetched else ("w", ci)
         if name != "w":
             led.take(name, nb)
@@ -609,4 +624,9 @@ def gemm_pass_sbuf(led, nweights, K, widths, kb, itemsize, double_row=False, til
         if mid is not None:
             mid()
             mid = None
+        if halfway is not None and ci + 1 >= len(loads) // 2:
+            halfway()
+            halfway = None
+    if halfway is not None:
+        halfway()
     led.drop(prev)

@@ -128,6 +128,21 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
                      f"tokens per block; {sbuf_budget} available")
 
 
+def _row_norm(T, nblocks, npasses, nf, tb, gen):
+    """A single prefill block in a single pass takes the RMSNorm scale at the GEMM's eviction:
+    its rows are transposed as loaded and the ScalarE sum of squares runs beside the transposes
+    instead of in front of them; the per-token scale is broadcast along the accumulators' free
+    dim (two PSUM banks, beside the pass's accumulators) halfway through the pass.
+
+    It pays where the first matmuls wait for the norm: Trn3 from 128 tokens, Trn2 from 256
+    (Llama-3-70B TP8, modeled: T=128 64.7 -> 59.6 us on Trn3, 80.5 -> 81.9 on Trn2, whose
+    weight stream at 128 tokens outlasts the norm and then only sees the longer eviction; T=256
+    108.5 -> 95.7 and 115.7 -> 103.8)."""
+    return (T >= DECODE_T_MAX and nblocks == 1 and npasses == 1
+            and nf * D.acc_free(tb) * 4 + 2 * D.PSUM_BANK <= D.PSUM_BYTES
+            and (T >= 2 * P or gen >= 4))
+
+
 # ------------------------------------------------------------------------------ SBUF plan
 EARLY_EPILOGUE_T = 32    # below it a pass's stores are small, and moving them into the weight
                          # stream costs more than it saves (Llama-3-8B T=8 modeled 148.4 ->
@@ -142,23 +157,29 @@ def _epilogue_in_pass(nf, tb):
 
 
 def qkv_sbuf(T, H, n_q, n_kv, d, tb_max, nf_max, kb, kc=0, ts_max=0, *, norm=True,
-             bias=True, residual=True, rot=None, qk_norm=False, k_transposed=False):
+             bias=True, residual=True, rot=None, qk_norm=False, k_transposed=False, gen=None):
     """The kernel's SBUF buffers (bytes per partition) in the order ``qkv_proj_kernel`` takes
     and releases them, for these tile choices and options: an ``SbufLedger`` whose ``peak`` is
-    the plan's figure. ``rot``: rotary dims (default d; 0 = no RoPE).
+    the plan's figure. ``rot``: rotary dims (default d; 0 = no RoPE). ``gen``: the NeuronCore
+    version (default: the current target's).
 
     It follows the kernel step by step (same helpers for blocks, passes, k-chunks and lanes),
     so a change to one is a change to the other; tests/test_sbuf_plan.py checks the figure
     against the emulator's measured peak in every regime."""
     led = SbufLedger()
+    gen = int(nisa.get_nc_version()) if gen is None else gen
     rot = d if rot is None else rot
     N = (n_q + 2 * n_kv) * d
     KT = cdiv(H, P)
     tiles = _qkv_tiles(n_q, n_kv, d)
     passes = D.group_passes(tiles, nf_max, 2 if d == 256 else 1)
-    if not kc:   # the head of the weight stream, prefetched before anything else
+    x_first = not kc and T >= DECODE_T_MAX
+    w0 = 0
+    if not kc:   # the head of the weight stream, prefetched (after the rows at prefill sizes)
         i0, i1 = passes[0]
-        led.take("w", D.gemm_pass_loads(1, H, [t[1] for t in tiles[i0:i1]], kb, 2)[0])
+        w0 = D.gemm_pass_loads(1, H, [t[1] for t in tiles[i0:i1]], kb, 2)[0]
+    if not kc and not x_first:
+        led.take("w", w0)
     _consts_sbuf(led, tiles, H, norm, bias, 4 * d if qk_norm else 0)
     ep = _EpilogueSbuf(led, tiles, d, rot, qk_norm, k_transposed)
     if kc:
@@ -166,6 +187,7 @@ def qkv_sbuf(T, H, n_q, n_kv, d, tb_max, nf_max, kb, kc=0, ts_max=0, *, norm=Tru
         return led
     blocks = D.token_blocks(T, tb_max)
     late_norm = norm and T < DECODE_T_MAX
+    row_norm = False
     r = D.pack_factor(T, H) if T < DECODE_T_MAX else 1
     if r > 1:                                           # x_packed_transposed
         led.take("x_packed", 2 * H // r)
@@ -177,15 +199,33 @@ def qkv_sbuf(T, H, n_q, n_kv, d, tb_max, nf_max, kb, kc=0, ts_max=0, *, norm=Tru
             led.take("squares", 2 * KT * T)
         led.drop("x_packed")
     else:                                               # x_rows_normalised, x_transposed
-        rows = D.rows_sbuf(led, "rows", blocks[0][1], H, residual, norm and not late_norm)
+        row_norm = norm and _row_norm(T, len(blocks), len(passes), len(tiles), blocks[0][1],
+                                      gen)
+        rows = D.rows_sbuf(led, "rows", blocks[0][1], H, residual,
+                           norm and not late_norm and not row_norm)
+        if x_first:
+            led.take("w", w0)
         if late_norm:
             led.take("squares", 2 * KT * T)
         led.take("xT", 2 * KT * blocks[0][1])
+        if row_norm:                                    # _rstd per sub-tile, kept as columns
+            for k in range(len(rows)):
+                D.rstd_sbuf(led, H)
+                led.live[("col", k)] = led.live.pop("rstd")
         led.drop(*rows)
     if late_norm:                                       # norm_rows
         led.take("ones", 2 * P)
         led.take("rrow", 4 * T)
         led.drop("ones", "squares")
+    ncols = len(rows) if row_norm else 0
+
+    def broadcast():                                    # _row_broadcast (row_norm)
+        led.take("row", 4 * blocks[0][1])
+        led.drop(*[("col", k) for k in range(ncols)])
+        led.take("ones_row", 4 * P)
+        led.take("rrow", 4 * blocks[0][1])
+        led.drop("row", "ones_row")
+
     pending = None
     for bi, (_, tb) in enumerate(blocks):
         last = bi + 1 == len(blocks)
@@ -200,14 +240,17 @@ def qkv_sbuf(T, H, n_q, n_kv, d, tb_max, nf_max, kb, kc=0, ts_max=0, *, norm=Tru
                 ep.release(e, b)
 
             D.gemm_pass_sbuf(led, 1, H, [t[1] for t in tiles[i0:i1]], kb, 2,
-                             prefetched=(bi == 0 and pi == 0), mid=run_early if early else None)
+                             prefetched=(bi == 0 and pi == 0), mid=run_early if early else None,
+                             halfway=broadcast if row_norm else None)
             if early:
                 pending = None
             hT = ("hT", bi, pi)
-            if late_norm:                               # _evict_pass: rrow scaling first
+            # _evict_pass: rrow scaling into a temporary first, unless it goes straight out
+            tmp = (late_norm or row_norm) and (bias or any(t[1] < P for t in tiles[i0:i1]))
+            if tmp:
                 led.take("evict_tmp", 4 * (i1 - i0) * tb)
             led.take(hT, 2 * (i1 - i0) * tb)
-            if late_norm:
+            if tmp:
                 led.drop("evict_tmp")
             if pi + 1 == len(passes) and not last:      # the next block's transposes
                 led.drop("xT")
@@ -455,9 +498,15 @@ def qkv_proj_kernel(x, w, bias, residual, norm_w, q_norm_w, k_norm_w, cos, sin,
     tiles = D.feature_tiles(segs)
     passes = D.group_passes(tiles, nf_max, 2 if d == 256 else 1)
     first = None
-    if not kc:   # the head of the weight stream goes out before any other load
+    # the head of the weight stream goes out before any other load; at prefill sizes the first
+    # block's rows go first (the GEMM waits for their transposes, not for the weight stream)
+    x_first = not kc and T >= DECODE_T_MAX
+
+    def prefetch():
         i0, i1 = passes[0]
-        first = D.prefetch_weights([w], H, kb, tiles[i0][0], sum(t[1] for t in tiles[i0:i1]))
+        return D.prefetch_weights([w], H, kb, tiles[i0][0], sum(t[1] for t in tiles[i0:i1]))
+    if not kc and not x_first:
+        first = prefetch()
     ident = D.identity(bf16)
     ident_f = D.identity(nl.float32)
     gamma_T = D.load_col_vector(norm_w, H, nl.float32, ident=ident_f) if norm_w is not None \
@@ -480,15 +529,29 @@ def qkv_proj_kernel(x, w, bias, residual, norm_w, q_norm_w, k_norm_w, cos, sin,
     late_norm = norm and T < DECODE_T_MAX
     sq = nl.ndarray((P, KT, T), dtype=bf16, buffer=nl.sbuf) if late_norm else None  # [128, KT, T]
     r = D.pack_factor(T, H) if T < DECODE_T_MAX else 1
+    row_norm = norm and _row_norm(T, len(blocks), len(passes), len(tiles), blocks[0][1],
+                                  nisa.get_nc_version())
+    rrow = None
     if r > 1:
         xT = D.x_packed_transposed(x, T, r, residual, h_out, gamma_T, ident, sq)  # [128, KT, T]
     else:
         rows = D.x_rows_normalised(x, blocks[0][0], blocks[0][1], residual, h_out,
-                                   norm and not late_norm, eps)
+                                   norm and not late_norm and not row_norm, eps)
+        if x_first:
+            first = prefetch()
         xT = D.x_transposed(rows, blocks[0][1], H, gamma_T, ident, squares=sq)  # [128, KT, tb]
+        if row_norm:
+            cols = [D._rstd(xs, ts, H, eps) for _, ts, xs in rows]            # [ts, 1] each
+            subs0 = [(s0, ts) for s0, ts, _ in rows]
         del rows
-    rrow = D.norm_rows(sq, H, T, eps) if late_norm else None                  # [128, T]
+    if late_norm:
+        rrow = D.norm_rows(sq, H, T, eps)                                     # [128, T]
     del sq
+    scale = []
+
+    def broadcast():   # row_norm: the per-token scale, halfway through the (single) pass
+        scale.append(_row_broadcast(cols, subs0, blocks[0][1], ident_f))
+
     pending = None
     ev = 0
     for bi, (t0, tb) in enumerate(blocks):
@@ -505,7 +568,10 @@ def qkv_proj_kernel(x, w, bias, residual, norm_w, q_norm_w, k_norm_w, cos, sin,
             widths = [tiles[i][1] for i in range(i0, i1)]
             early = pending if pi > 0 and _epilogue_in_pass(i1 - i0, tb) else None
             acc = D.gemm_pass([w], xT, H, tb, Tp, widths, tiles[i0][0], kb, first=first,
-                              mid=(lambda e=early: ctx.epilogue(*e)) if early else None)[0]
+                              mid=(lambda e=early: ctx.epilogue(*e)) if early else None,
+                              halfway=broadcast if row_norm else None)[0]
+            if scale:
+                rrow = scale.pop()
             if early:
                 pending = None
             first = None
@@ -670,16 +736,20 @@ def _rstd_rows(ssq, subs, tsb, H, eps):
     return _row_broadcast(rstd, subs, tsb)
 
 
-def _row_broadcast(cols, subs, tsb):
+def _row_broadcast(cols, subs, tsb, ident_f=None):
     """Per-token columns [ts, 1] (one per sub-tile) -> [128, tsb] fp32, every partition the
-    same row: PE transposes into one row, then ones[1, 128].T @ row."""
+    same row: PE transposes into one row, then ones[1, 128].T @ row. ``ident_f``: an fp32
+    identity to use (else one is built: two GpSimd instructions). ``cols`` is emptied (the
+    caller's list too: the columns die with their transposes)."""
     f32 = nl.float32
-    ident_f = D.identity(f32)  # once per super-block: two GpSimd instructions
+    if ident_f is None:
+        ident_f = D.identity(f32)
     row = nl.ndarray((1, tsb), dtype=f32, buffer=nl.sbuf)                     # [1, tsb]
     for (r0, ts), c in zip(subs, cols):
         tp = nl.ndarray((1, ts), dtype=f32, buffer=nl.psum)                   # [1, ts]
         nisa.nc_matmul(dst=tp, stationary=c, moving=ident_f[0:ts, 0:ts], is_transpose=True)
         nisa.tensor_copy(dst=row[:, r0:r0 + ts], src=tp)
+    cols.clear()
     ones = nl.ndarray((1, P), dtype=f32, buffer=nl.sbuf)                      # [1, 128]
     nisa.memset(dst=ones, value=1.0)
     out = nl.ndarray((P, tsb), dtype=f32, buffer=nl.sbuf)                     # [128, tsb]
@@ -699,6 +769,11 @@ def _evict_pass(hT, acc, tiles, i0, i1, tb, bias_T, ev, rrow=None):
     rrow [128, tb]: per-token RMSNorm scale (decode), multiplied in first (VectorE)."""
     if rrow is not None:
         nf = i1 - i0
+        if bias_T is None and all(tiles[f][1] == P for f in range(i0, i1)):
+            # one VectorE pass: scaled straight into the bf16 output
+            nisa.tensor_tensor(dst=hT[:, :, 0:tb], data1=acc[:, :, 0:tb],
+                               data2=rrow[:, 0:tb].expand_dim(1).broadcast(1, nf), op=nl.multiply)
+            return ev
         tmp = nl.ndarray((P, nf, tb), dtype=nl.float32, buffer=nl.sbuf)        # [128, nf, tb]
         nisa.tensor_tensor(dst=tmp, data1=acc[:, :, 0:tb], data2=rrow.expand_dim(1).broadcast(1, nf),
                            op=nl.multiply)
