@@ -44,11 +44,14 @@ QKV_CASES = {
                                         dict(ALL, rotary_dim=96, rope_layout="interleaved")),
     "two blocks": ("trn2", 600, 1024, 16, 4, 128, dict(ALL, qk_norm=True)),
     "two blocks, bare": ("trn3", 600, 1024, 16, 4, 128, NONE),
-    "k-chunked, one chunk": ("trn3", 600, 1024, 8, 2, 128, dict(ALL, qk_norm=True)),
+    "k-chunked, one chunk": ("trn3", 600, 512, 8, 2, 128, dict(ALL, qk_norm=True)),
     "k-chunked, bare": ("trn3", 600, 1024, 8, 2, 128, NONE),
+    "k-chunked, DMA transposes": ("trn3", 600, 1024, 8, 2, 128, dict(ALL, residual=False)),
     "k-chunked, 2 super-blocks, 2 chunks": ("trn3", 1100, 2048, 8, 2, 128,
                                             dict(ALL, qk_norm=True)),
-    "k-chunked, 4 chunks, kT": ("trn3", 700, 4096, 8, 2, 128,
+    "k-chunked, 2 super-blocks, DMA transposes": ("trn2", 1100, 2048, 8, 2, 128,
+                                                  dict(ALL, residual=False, qk_norm=True)),
+    "k-chunked, 8 chunks, kT": ("trn3", 700, 4096, 8, 2, 128,
                                 dict(ALL, qk_norm=True, k_layout="transposed")),
 }
 # real model shapes (Llama-3-70B TP8: N = 1280, the k-chunked nest at hidden 8192; Llama-3-8B)
@@ -112,9 +115,10 @@ def test_qkv_regimes_covered():
             return plan_qkv(T, H, nq, nkv, d, sbuf_budget())
     assert plan(QKV_CASES["decode packed"]).decode
     assert plan(QKV_CASES["two blocks"]).tb_max < 600 and not plan(QKV_CASES["two blocks"]).kc
-    assert plan(QKV_CASES["k-chunked, one chunk"]).kc == 1024 // 128
-    assert plan(QKV_CASES["k-chunked, 4 chunks, kT"]).kc == 4096 // 128 // 4
+    assert plan(QKV_CASES["k-chunked, one chunk"]).kc == 512 // 128
+    assert plan(QKV_CASES["k-chunked, 8 chunks, kT"]).kc == 4096 // 128 // 8
     assert plan(QKV_CASES["k-chunked, 2 super-blocks, 2 chunks"]).kc == 2048 // 128 // 2
+    assert plan(QKV_CASES["k-chunked, 2 super-blocks, DMA transposes"]).kc == 2048 // 128 // 2
 
 
 # (target, T, H, I, fp8, tiled, norm and residual)

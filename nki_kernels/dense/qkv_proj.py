@@ -94,11 +94,13 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
     N = (n_q + 2 * n_kv) * d
     KT = cdiv(H, P)
     nt = len(_qkv_tiles(n_q, n_kv, d))
-    if T > D.TB_MAX and H % P == 0 and N <= 2048 and nt * KC_GROUP * 4 <= D.PSUM_BYTES:
-        # 8 k-tiles per chunk first: runs of 8 * N * 2 bytes (20 KiB at N = 1280) already
-        # stream at full DMA efficiency, and a smaller chunk starts the GEMM sooner (Llama-3-70B
-        # TP8, T = 2048: kc 8 647.3 us, kc 16 653.1 us; Trn3, modeled)
-        for kc in (8, 16, 4, 2, 1):
+    if T > KC_GROUP and H % P == 0 and N <= 2048 and nt * KC_GROUP * 4 <= D.PSUM_BYTES:
+        # from 257 tokens (Llama-3-70B TP8, modeled: T=384 128.4 / 139.5 us on Trn3 / Trn2,
+        # against 155.1 / 174.6 in token blocks; T=256 stays in one block: 95.7 / 103.8 against
+        # 92.4 / 118.2). 4 k-tiles per chunk first for a single super-block (the first chunk is
+        # the GEMM's prologue: T=512 161.8 / 169.1 us, 8 k-tiles 164.6 / 172.8), 8 beyond
+        # (T=8192 2329.7 / 2359.4 us, 4 k-tiles 2342.4 / 2394.2)
+        for kc in ((4, 8, 16, 2, 1) if T <= KC_TS else (8, 16, 4, 2, 1)):
             if KT % kc:
                 continue
             sb = qkv_sbuf(T, H, n_q, n_kv, d, D.TB_MAX, nt, 1, kc, KC_TS, **opts).peak
@@ -376,33 +378,50 @@ def _kchunk_sbuf(led, ep, T, H, N, nt, kc, ts_max, norm, residual):
     and the transposed activations of this chunk and the next; the epilogue of each group of
     256 tokens runs behind the next group."""
     nch = H // P // kc
+    dma_t = not residual
     pending = []
     old = []
     for si, (_, tsb) in enumerate(D.token_blocks(T, ts_max)):
         subs = [min(P, tsb - r0) for r0 in range(0, tsb, P)]
         led.drop(*old)                              # the previous super-block's ssq, acc, scale
         old = ["acc_sb"]
-        _kc_xT_sbuf(led, "xT_next", len(subs), kc, tsb, nch, norm, residual, 0, old)
+        if dma_t:
+            led.take("xT_next", 2 * kc * tsb)
+        else:
+            _kc_xT_sbuf(led, "xT_next", len(subs), kc, tsb, nch, norm, residual, 0, old)
         for ci in range(nch):
             last = ci + 1 == nch
             led.take("w_sb", 2 * kc * N)
+            if dma_t and norm:                          # _kc_chunk_ssq
+                for k in range(len(subs)):
+                    led.take("xc", 2 * kc * P)
+                    led.take("sq", 2 * kc * P)
+                    if ci == 0:
+                        led.take(("ssq", k), 4 * nch)
+                        old.append(("ssq", k))
+                    led.drop("sq", "xc")
             led.live["xT"] = led.live.pop("xT_next")
             if not last:
-                _kc_xT_sbuf(led, "xT_next", len(subs), kc, tsb, nch, norm, residual, ci + 1, old)
-            elif norm:                                  # _rstd_rows, _row_broadcast
-                for k in range(len(subs)):
-                    if k:
-                        led.drop("ss")
-                    led.take("ss", 4)
-                    led.take(("r", k), 4)
-                D.identity_sbuf(led, "ident_f2", 4)
-                led.take("row", 4 * tsb)
-                led.take("ones_row", 4 * P)
-                led.take("scale", 4 * tsb)
-                led.drop("ident_f2", "row", "ones_row", "ss", *[("r", k) for k in range(len(subs))])
-                old.append("scale")
+                if dma_t:
+                    led.take("xT_next", 2 * kc * tsb)
+                else:
+                    _kc_xT_sbuf(led, "xT_next", len(subs), kc, tsb, nch, norm, residual, ci + 1,
+                                old)
             for g0 in range(0, tsb, KC_GROUP):
                 gn = min(KC_GROUP, tsb - g0)
+                if last and norm and g0 == 0:           # _rstd_rows, _row_broadcast
+                    for k in range(len(subs)):
+                        if k:
+                            led.drop("ss")
+                        led.take("ss", 4)
+                        led.take(("r", k), 4)
+                    D.identity_sbuf(led, "ident_f2", 4)
+                    led.take("row", 4 * tsb)
+                    led.take("ones_row", 4 * P)
+                    led.take("scale", 4 * tsb)
+                    led.drop("ident_f2", "row", "ones_row", "ss",
+                             *[("r", k) for k in range(len(subs))])
+                    old.append("scale")
                 if ci == 0 and g0 == 0:
                     led.take("acc_sb", 4 * nt * tsb)
                 if last:
@@ -519,7 +538,8 @@ def qkv_proj_kernel(x, w, bias, residual, norm_w, q_norm_w, k_norm_w, cos, sin,
     ctx = _Ctx(outs, tiles, d, rot, interleaved, k_transposed, cos, sin, qk_g, qk_eps, ident, T)
 
     if kc:
-        _kchunk_nest(x, w, residual, h_out, norm_w, eps, tiles, bias_T, ctx, kc, ts_max)
+        _kchunk_nest(x, w, residual, h_out, norm_w, gamma_T, eps, tiles, bias_T, ctx, kc,
+                     ts_max)
         if residual is not None:
             return q_out, k_out, v_out, h_out
         return q_out, k_out, v_out
@@ -595,13 +615,15 @@ def qkv_proj_kernel(x, w, bias, residual, norm_w, q_norm_w, k_norm_w, cos, sin,
     return q_out, k_out, v_out
 
 
-def _kchunk_nest(x, w, residual, h_out, norm_w, eps, tiles, bias_T, ctx, kc, ts_max):
+def _kchunk_nest(x, w, residual, h_out, norm_w, gamma_T, eps, tiles, bias_T, ctx, kc, ts_max):
     """Narrow projections (N <= 2048: all feature tiles of 256 tokens fit PSUM) with many
     tokens: stream W once per super-block of ts_max tokens instead of once per 512.
 
-    Per k-chunk of kc k-tiles: W rows in the layout "partition p holds rows k0*128 + p*kc + j"
-    (one contiguous run of kc*N elements per partition), the matching columns of h = x (+ r)
-    times gamma, transposed (k-tile j = columns p*kc + j); for each group of 256 tokens all
+    Per k-chunk of kc k-tiles: the chunk's columns of x times gamma, transposed, and the matching
+    W rows. Without a residual x^T comes by one DMA transpose per chunk (k-tile j = columns
+    (k0 + j)*128 + p, W row (k0 + j)*128 + p on partition p: runs of N elements); with one,
+    h = x + r is formed in SBUF and PE-transposed (k-tile j = columns k0*128 + p*kc + j, so that
+    partition p's W rows are one contiguous run of kc*N elements); for each group of 256 tokens all
     feature tiles accumulate the chunk in PSUM and the chunks add up in SBUF fp32. The RMSNorm
     scale is per token, so it is applied once at the end (a [128, tokens] row tile): the
     sum-of-squares pre-pass runs beside the GEMM instead of in front of it.
@@ -619,6 +641,9 @@ def _kchunk_nest(x, w, residual, h_out, norm_w, eps, tiles, bias_T, ctx, kc, ts_
     ident = ctx.ident
     norm = norm_w is not None
     chunks = list(range(0, KT, kc))
+    # without a residual the chunks' transposes go by DMA (HBM -> SBUF, 128 contiguous elements
+    # per source row), off TensorE; with one, h = x + r is formed in SBUF and PE-transposed
+    dma_t = residual is None
     pending = []
     ev = 0
     nch = len(chunks)
@@ -629,17 +654,25 @@ def _kchunk_nest(x, w, residual, h_out, norm_w, eps, tiles, bias_T, ctx, kc, ts_
             if norm else None                                                   # [ts, nch] each
         acc_sb = nl.ndarray((P, nt, tsb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nt, tsb]
         scale = None
-        xT_next = _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, 0, kc, ident, ssq, 0)
+
+        def chunk_xT(k0, ci, s0=s0, tsb=tsb, subs=subs, ssq=ssq):
+            if dma_t:   # its sums of squares are taken after the chunk's weights are on their way
+                return _kc_chunk_xT_dma(x, gamma_T, s0, tsb, k0, kc)
+            return _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, k0, kc, ident, ssq, ci)
+        xT_next = chunk_xT(0, 0)
         for ci, k0 in enumerate(chunks):
             last = ci + 1 == nch
             w_sb = nl.ndarray((P, kc, N), dtype=w.dtype, buffer=nl.sbuf)      # [128, kc, N]
-            nisa.dma_copy(dst=w_sb, src=w[k0 * P:(k0 + kc) * P, :].reshape_dim(0, (P, kc)))
+            if dma_t:   # k-tile j on partition p: row (k0 + j) * 128 + p, as the DMA transposes
+                src = w[k0 * P:(k0 + kc) * P, :].reshape_dim(0, (kc, P)).permute((1, 0, 2))
+            else:       # partition p: rows k0 * 128 + p * kc + j, one run of kc * N elements
+                src = w[k0 * P:(k0 + kc) * P, :].reshape_dim(0, (P, kc))
+            nisa.dma_copy(dst=w_sb, src=src)
+            if dma_t and norm:
+                _kc_chunk_ssq(x, s0, subs, k0, kc, ssq, ci)
             xT, xT_next = xT_next, None
             if not last:   # the next chunk's transposes go ahead of this GEMM
-                xT_next = _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, chunks[ci + 1], kc,
-                                       ident, ssq, ci + 1)
-            elif norm:     # all partial sums of squares are on their way: rstd as a row tile
-                scale = _rstd_rows(ssq, subs, tsb, H, eps)                        # [128, tsb]
+                xT_next = chunk_xT(chunks[ci + 1], ci + 1)
             for g0 in range(0, tsb, KC_GROUP):
                 gn = min(KC_GROUP, tsb - g0)
                 ps = nl.ndarray((P, nt, KC_GROUP), dtype=nl.float32, buffer=nl.psum)  # [128, nt, 256]
@@ -647,6 +680,10 @@ def _kchunk_nest(x, w, residual, h_out, norm_w, eps, tiles, bias_T, ctx, kc, ts_
                     for f, (c0, nn, _) in enumerate(tiles):
                         nisa.nc_matmul(dst=ps[0:nn, f, 0:gn], stationary=w_sb[:, j, c0:c0 + nn],
                                        moving=xT[:, j, g0:g0 + gn], accumulate=(j > 0))
+                if last and norm and scale is None:
+                    # rstd as a row tile, its TensorE broadcast behind the first group's
+                    # matmuls (the last partial sums of squares and adds are done by then)
+                    scale = _rstd_rows(ssq, subs, tsb, H, eps)                    # [128, tsb]
                 acc = acc_sb[:, :, g0:g0 + gn]
                 if ci == 0:
                     nisa.tensor_copy(dst=acc, src=ps[:, :, 0:gn], engine=nisa.engine.scalar)
@@ -721,6 +758,37 @@ def _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, k0, kc, ident, ssq, ci):
                                  engine=nisa.engine.scalar)
         del xc   # released before the next sub-tile's rows
     return xT
+
+
+def _kc_chunk_xT_dma(x, gamma_T, s0, tsb, k0, kc):
+    """Columns [k0*128, (k0+kc)*128) of x for the super-block's tsb tokens -> xT [128, kc, tsb]
+    with xT[p, j, t] = gamma * x[t, (k0 + j)*128 + p]: one DMA transpose (HBM -> SBUF), then
+    gamma per k-tile in SBUF (VectorE and GpSimd in turn)."""
+    c0, c1 = k0 * P, (k0 + kc) * P
+    xT = nl.ndarray((P, kc, tsb), dtype=nl.bfloat16, buffer=nl.sbuf)          # [128, kc, tsb]
+    nisa.dma_transpose(dst=xT, src=x[s0:s0 + tsb, c0:c1].reshape_dim(1, (kc, P)))  # [tsb, kc, 128]
+    if gamma_T is not None:
+        for j in range(kc):
+            nisa.tensor_tensor(dst=xT[:, j, :], data1=xT[:, j, :],
+                               data2=gamma_T[:, k0 + j:k0 + j + 1].broadcast(1, tsb),
+                               op=nl.multiply,
+                               engine=nisa.engine.vector if j % 2 == 0 else nisa.engine.gpsimd)
+    return xT
+
+
+def _kc_chunk_ssq(x, s0, subs, k0, kc, ssq, ci):
+    """The partial sums of squares of columns [k0*128, (k0+kc)*128) per sub-tile of tokens into
+    ssq[sub-tile][:, ci] (the rows as they are in HBM; ScalarE square with the accumulator)."""
+    c0, c1 = k0 * P, (k0 + kc) * P
+    for r0, ts in subs:
+        t0 = s0 + r0
+        xc = nl.ndarray((ts, kc * P), dtype=x.dtype, buffer=nl.sbuf)          # [ts, kc*128]
+        nisa.dma_copy(dst=xc, src=x[t0:t0 + ts, c0:c1])
+        sq = nl.ndarray((ts, kc * P), dtype=nl.bfloat16, buffer=nl.sbuf)      # [ts, kc*128] discarded
+        nisa.activation(dst=sq, op=nl.square, data=xc, reduce_op=nl.add,
+                        reduce_res=ssq[r0 // P][:, ci:ci + 1],
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        del sq, xc
 
 
 def _rstd_rows(ssq, subs, tsb, H, eps):
@@ -888,6 +956,12 @@ class _Ctx:
         h0, nh = self._head_range(f, g)
         stage = nl.ndarray((P, nh, R, d), dtype=nl.bfloat16, buffer=nl.sbuf)   # [128, nh, R, d]
         hpc = max(1, 1024 // d)                      # heads per PSUM chunk (one bf16 bank)
+        out = self.outs[kind]
+        # one token per partition: the heads go out in two halves, each as soon as it is done
+        # (the first half's DMA overlaps the second half's lanes)
+        split = R == 1 and nh > 1 and d == P and not (kind == 1 and self.k_transposed)
+        if split:
+            hpc = min(hpc, cdiv(nh, 2))
         for j in range(R):
             for c0 in range(0, nh, hpc):
                 cn = min(hpc, nh - c0)
@@ -905,7 +979,11 @@ class _Ctx:
                 if blk["tab"] is not None:
                     tab = (blk["tab"][:, 0, j, :], blk["tab"][:, 1, j, :])
                 self._lanes(X.reshape((P, cn, d)), stage[:, c0:c0 + cn, j, :], P, cn, kind, tab)
-        out = self.outs[kind]
+                if split:
+                    dst = out[h0 + c0:h0 + c0 + cn, t0:t0 + P, :].permute((1, 0, 2))
+                    nisa.dma_copy(dst=dst, src=stage[:, c0:c0 + cn, 0, :])
+        if split:
+            return
         if kind == 1 and self.k_transposed:
             self._store_kT_token(stage, blk, h0, nh)
             return
