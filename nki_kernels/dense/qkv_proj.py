@@ -56,12 +56,12 @@ class QKVPlan:
     kb: weight k-tiles per DMA (about 8 KiB per partition per transfer).
     sbuf_bytes: the most SBUF per partition the kernel holds at once with these choices
       (``qkv_sbuf``: its buffers walked in its order; equal to the emulator's measured peak).
-    kc, ts_max: the k-chunked nest for narrow projections (N <= 2048, T > 512, e.g. Llama-3-70B
+    kc, ts_max: the k-chunked nest for narrow projections (N <= 2048, T > 256, e.g. Llama-3-70B
       at TP8: N = 1280). There the passes above would read 1280 B weight runs (2 passes of 5
       tiles) at 51% DMA efficiency and stream W per 512 tokens: DMA-bound on Trn2. Instead W
-      streams once per super-block of ts_max = 1024 tokens, kc k-tiles at a time in one
-      contiguous run per partition, and the partial sums of the chunks add up in SBUF (one
-      VectorE add per output element and chunk: 1/kc of the TensorE work).
+      streams once per super-block of ts_max = 1024 tokens, kc k-tiles at a time, and the
+      partial sums of the chunks add up in SBUF (one VectorE add per output element and chunk:
+      1/kc of the TensorE work).
     """
 
     T: int
@@ -108,9 +108,8 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
                 return QKVPlan(T, H, N, D.TB_MAX, nt, 1, False, sb, kc, KC_TS)
     cands = list(range(tb_max, 63, -64))
     if N <= 2048:
-        # narrow N: blocks whose accumulators hold all of N (one pass per block) first; at
-        # Llama-3-70B TP8, T = 512: 2 x 256 tokens in one pass each 187.6 us, one block of 512
-        # in two passes 199.4 us (Trn3, modeled)
+        # narrow N (up to 256 tokens here): blocks whose accumulators hold all of N (one pass
+        # per block) first
         one = [t for t in cands
                if D.max_tiles_per_pass(max(b for _, b in D.token_blocks(T, t)), 1) >= nt]
         cands = one + [t for t in cands if t not in one]
