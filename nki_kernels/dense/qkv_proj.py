@@ -108,8 +108,8 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
                 return QKVPlan(T, H, N, D.TB_MAX, nt, 1, False, sb, kc, KC_TS)
     cands = list(range(tb_max, 63, -64))
     if N <= 2048:
-        # narrow N (up to 256 tokens here): blocks whose accumulators hold all of N (one pass
-        # per block) first
+        # narrow N, where the k-chunked nest does not apply: blocks whose accumulators hold
+        # all of N (one pass per block) first
         one = [t for t in cands
                if D.max_tiles_per_pass(max(b for _, b in D.token_blocks(T, t)), 1) >= nt]
         cands = one + [t for t in cands if t not in one]
