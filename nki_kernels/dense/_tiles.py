@@ -468,8 +468,6 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
         if halfway is not None and wi + 1 >= len(work) // 2:
             halfway()
             halfway = None
-    if halfway is not None:
-        halfway()
     return accs
 
 
@@ -627,6 +625,4 @@ def gemm_pass_sbuf(led, nweights, K, widths, kb, itemsize, double_row=False, til
         if halfway is not None and ci + 1 >= len(loads) // 2:
             halfway()
             halfway = None
-    if halfway is not None:
-        halfway()
     led.drop(prev)

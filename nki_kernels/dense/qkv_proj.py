@@ -739,11 +739,7 @@ def _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, k0, kc, ident, ssq, ci):
             del rc
             nisa.dma_copy(dst=h_out[t0:t0 + ts, c0:c1], src=xc)
         if ssq is not None:
-            sq = nl.ndarray((ts, kc * P), dtype=nl.bfloat16, buffer=nl.sbuf)  # [ts, kc*128] discarded
-            nisa.activation(dst=sq, op=nl.square, data=xc, reduce_op=nl.add,
-                            reduce_res=ssq[r0 // P][:, ci:ci + 1],
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
-            del sq
+            _sum_squares(xc, ssq[r0 // P][:, ci:ci + 1])
         tp = nl.ndarray((P, kc, ts), dtype=nl.bfloat16, buffer=nl.psum)      # [128, kc, ts]
         for j in range(kc):
             nisa.nc_matmul(dst=tp[:, j, :], stationary=xc[:, j:j + kc * (P - 1) + 1:kc],
@@ -783,11 +779,16 @@ def _kc_chunk_ssq(x, s0, subs, k0, kc, ssq, ci):
         t0 = s0 + r0
         xc = nl.ndarray((ts, kc * P), dtype=x.dtype, buffer=nl.sbuf)          # [ts, kc*128]
         nisa.dma_copy(dst=xc, src=x[t0:t0 + ts, c0:c1])
-        sq = nl.ndarray((ts, kc * P), dtype=nl.bfloat16, buffer=nl.sbuf)      # [ts, kc*128] discarded
-        nisa.activation(dst=sq, op=nl.square, data=xc, reduce_op=nl.add,
-                        reduce_res=ssq[r0 // P][:, ci:ci + 1],
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        del sq, xc
+        _sum_squares(xc, ssq[r0 // P][:, ci:ci + 1])
+        del xc
+
+
+def _sum_squares(xc, dst):
+    """dst [ts, 1] = sum of xc [ts, n]^2 along the free dim (ScalarE square, accumulator reset;
+    the squares land in a discarded scratch tile)."""
+    sq = nl.ndarray(xc.shape, dtype=nl.bfloat16, buffer=nl.sbuf)               # [ts, n] discarded
+    nisa.activation(dst=sq, op=nl.square, data=xc, reduce_op=nl.add, reduce_res=dst,
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
 
 
 def _rstd_rows(ssq, subs, tsb, H, eps):
