@@ -103,9 +103,10 @@ def backend_name() -> str:
 # ---------------------------------------------------------------------------------- selection
 
 
-def select(ops=None, tier: str = DEFAULT_TIER, target: str = "trn3", shape: str | None = None):
+def select(ops=None, tier: str = DEFAULT_TIER, target: str = "trn3", shape: str | None = None,
+           dtype: str | None = None):
     """The cases to run: registered ``ops`` (all when None) in ``tier`` for ``target``, only
-    shapes whose name contains ``shape`` when given."""
+    shapes whose name contains ``shape`` and dtype labels that contain ``dtype`` when given."""
     if tier not in TIER_NAMES:
         raise BenchError(f"tier must be one of {', '.join(TIER_NAMES)}; got {tier!r}")
     known = defs.registered()
@@ -119,7 +120,8 @@ def select(ops=None, tier: str = DEFAULT_TIER, target: str = "trn3", shape: str 
                 hint = f" (its definition bench/defs/{op}.py failed to import: {errors[op]})"
             raise BenchError(f"no bench definition for op {op!r}{hint}; registered: "
                              f"{', '.join(known) or 'none'}")
-        out.extend(c for c in defs.cases(op, tier, target) if not shape or shape in c.shape)
+        out.extend(c for c in defs.cases(op, tier, target)
+                   if (not shape or shape in c.shape) and (not dtype or dtype in c.dtype))
     return out
 
 
@@ -198,7 +200,8 @@ def check_output(case, inputs, output) -> str:
 
 
 def run(ops=None, tier: str = DEFAULT_TIER, target: str = "trn3", *,
-        measured: bool | None = None, shape: str | None = None, seed: int = 0, warmup: int = 5,
+        measured: bool | None = None, shape: str | None = None, dtype: str | None = None,
+        seed: int = 0, warmup: int = 5,
         repeats: int = 20, profile_dir=None, progress: bool = True, cases=None,
         check: bool = False, on_row=None) -> list[dict]:
     """Run the bench and return its rows (nothing is written; see ``write``).
@@ -222,7 +225,7 @@ def run(ops=None, tier: str = DEFAULT_TIER, target: str = "trn3", *,
         raise BenchError(f"modeled time needs the emulator backend, but NKI_KERNELS_BACKEND "
                          f"selects {backend!r}; run with NKI_KERNELS_BACKEND=emulator (or "
                          f"`nki-kernels bench --modeled`), or pass --measured on a device")
-    selected = list(cases) if cases is not None else select(ops, tier, target, shape)
+    selected = list(cases) if cases is not None else select(ops, tier, target, shape, dtype)
     source = "measured" if measured else "modeled"
     sha, date = git_sha(), now_iso()
     rows = []

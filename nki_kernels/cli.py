@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="only this op (repeat or comma-separate for several; default all)")
     b.add_argument("--shape", metavar="TEXT",
                    help="only shapes whose name contains TEXT (e.g. '2048^3', 'llama-3-8b')")
+    b.add_argument("--dtype", metavar="TEXT",
+                   help="only cases whose dtype label contains TEXT (e.g. 'fp8', 'bf16')")
     b.add_argument("--tier", choices=TIERS, default=None, help=TIER_HELP)
     b.add_argument("--json", metavar="PATH", type=Path,
                    help="JSON-lines file to append to (default <out>/results.jsonl)")
@@ -159,7 +161,7 @@ def _bench(args) -> int:
               f"{harness.published_dir()}", file=sys.stderr)
         return 0
     if args.list:
-        return _list(ops, args.tier, args.target, args.shape)
+        return _list(ops, args.tier, args.target, args.shape, args.dtype)
     tier = args.tier or harness.DEFAULT_TIER
     check = args.check
     if check is None:
@@ -175,7 +177,7 @@ def _bench(args) -> int:
                               quiet=args.quiet)
     try:
         rows = run(ops, tier, args.target, measured=True if args.measured else None,
-                           shape=args.shape,
+                           shape=args.shape, dtype=args.dtype,
                            seed=args.seed, warmup=args.warmup, repeats=args.repeats,
                            profile_dir=(out_dir or harness.default_out_dir()) / "profiles"
                            if args.profile else None,
@@ -192,9 +194,10 @@ def _bench(args) -> int:
         raise
     if not rows:
         print(f"nki-kernels bench: no cases for ops={ops or 'all'} tier={tier}"
-              + (f" shape~{args.shape!r}" if args.shape else ""), file=sys.stderr)
+              + (f" shape~{args.shape!r}" if args.shape else "")
+              + (f" dtype~{args.dtype!r}" if args.dtype else ""), file=sys.stderr)
         return 2
-    subset = bool(ops or args.shape)
+    subset = bool(ops or args.shape or args.dtype)
     paths = harness.write(rows, out_dir, json_path=json_path, tier=tier, plot=not args.no_plot,
                           subset=subset, append_json=False)
     if not args.quiet:
@@ -220,13 +223,13 @@ def _bench(args) -> int:
     return 1 if any(r.get("error") for r in rows) else 0
 
 
-def _list(ops, tier, target, shape=None) -> int:
+def _list(ops, tier, target, shape=None, dtype=None) -> int:
     from nki_kernels.bench import defs, harness
     tiers = [tier] if tier else list(TIERS)
     n = 0
     for t in tiers:
         try:
-            cases = harness.select(ops, t, target, shape)
+            cases = harness.select(ops, t, target, shape, dtype)
         except harness.BenchError as e:
             print(f"nki-kernels bench: {e}", file=sys.stderr)
             return 2
@@ -406,7 +409,8 @@ def _profiled_bench(harness, profile_dir, quiet=False):
     def run(ops=None, tier="fast", target="trn3", **kw):
         if kw.get("measured") or harness.backend_name() != "emulator":
             return harness.run(ops, tier, target, **kw)     # device: neuron-explorer capture
-        cases = kw.pop("cases", None) or harness.select(ops, tier, target, kw.get("shape"))
+        cases = kw.pop("cases", None) or harness.select(ops, tier, target, kw.get("shape"),
+                                                      kw.get("dtype"))
         on_row = kw.pop("on_row", None)         # called once the row has its profile paths
         rows = []
         for c in cases:

@@ -334,6 +334,17 @@ def test_cli_bench_run_writes_outputs(tmp_path, fake_cost, capsys):
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_cli_bench_dtype_filter(tmp_path, fake_cost):
+    from nki_kernels.cli import main
+    rc = main(["bench", "--op", "matmul", "--tier", "fast", "--target", "trn2", "--shape",
+               "512", "--dtype", "fp8", "--out", str(tmp_path), "--json",
+               str(tmp_path / "r.jsonl"), "--quiet", "--no-plot"])
+    assert rc == 0
+    rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(r["shape"], r["dtype"]) for r in rows] == [("512^3", "fp8")]
+    assert (tmp_path / "bench_trn2_fast_subset.md").exists()    # a dtype subset is a subset
+
+
 # --------------------------------------------------------------- outputs, publishing, README
 
 
