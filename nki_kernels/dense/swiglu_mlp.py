@@ -131,9 +131,11 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
     i0, i1 = gu_passes[0]
     led.take("w", D.gemm_pass_loads(nw, H, [t[1] for t in gu_tiles[i0:i1]], kb_gu, wb, fp8,
                                     tiled)[0])
+    blocks = D.token_blocks(T, tb_max)
+    rows = D.rows_sbuf(led, "rows", blocks[0][1], H, False, norm) if fp8 else None
     D.identity_sbuf(led, "ident", 2)
     D.identity_sbuf(led, "ident_f", 4)
-    if norm:
+    if norm and not fp8:
         D.col_vector_sbuf(led, "gamma_T", H)
     if fp8:   # _Fp8: weight scales as columns, the norm weight as a row, a row of ones
         for name, n in (("s_gate", I), ("s_up", I), ("s_down", H)):
@@ -141,9 +143,6 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
         if norm:
             led.take("gamma_row", 4 * H)
         led.take("ones", 4 * P)
-        if norm:
-            led.drop("gamma_T")
-    blocks = D.token_blocks(T, tb_max)
 
     def quantize_step(k):                 # _Fp8.quantize_rows, one sub-tile
         for n in ("mx", "mn", "amax", ("sc", k), "inv"):
@@ -163,7 +162,8 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
             led.take("xT", 2 * KT * tb)
             led.drop(*rows)
 
-    rows = D.rows_sbuf(led, "rows", blocks[0][1], H, False, norm)
+    if not fp8:
+        rows = D.rows_sbuf(led, "rows", blocks[0][1], H, False, norm)
     for k in range(len(rows) if fp8 else 0):
         quantize_step(k)
     x_block(blocks[0][1], rows)
@@ -280,21 +280,25 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
     i0, i1 = gu_passes[0]
     first = D.prefetch_weights([w_gate, w_up] if combined else [w_gate], H, kb_gu,
                                gu_tiles[i0][0], sum(t[1] for t in gu_tiles[i0:i1]), fp8, tiled)
+    d_tiles = D.feature_tiles([(0, H, 0)])
+    norm = norm_w is not None
+    blocks = D.token_blocks(T, tb_max)
+    # FP8 loads the first block's rows ahead of its constants: the norm weight goes out as a
+    # row broadcast to every partition (4 H bytes each), which would hold the rows back.
+    rows_next = D.x_rows_normalised(x, blocks[0][0], blocks[0][1], None, None, norm, eps) \
+        if fp8 else None
     ident = D.identity(nl.bfloat16)
     ident_f = D.identity(nl.float32)
-    gamma_T = D.load_col_vector(norm_w, H, nl.float32, ident=ident_f) if norm_w is not None \
+    gamma_T = D.load_col_vector(norm_w, H, nl.float32, ident=ident_f) if norm and not fp8 \
         else None
     q = None
     if fp8:   # per-channel weight scales as columns; the norm weight as a row (per token amax)
         q = _Fp8(w_gate.dtype, (D.load_col_vector(s_gate, I, ident=ident_f),
                                 D.load_col_vector(s_up, I, ident=ident_f),
                                 D.load_col_vector(s_down, H, ident=ident_f)),
-                 D.load_row_broadcast(norm_w, P, nl.float32) if norm_w is not None else None)
-        gamma_T = None
-    d_tiles = D.feature_tiles([(0, H, 0)])
-    norm = norm_w is not None
-    blocks = D.token_blocks(T, tb_max)
-    rows_next = D.x_rows_normalised(x, blocks[0][0], blocks[0][1], None, None, norm, eps)
+                 D.load_row_broadcast(norm_w, P, nl.float32) if norm else None)
+    else:
+        rows_next = D.x_rows_normalised(x, blocks[0][0], blocks[0][1], None, None, norm, eps)
     _x_quantize(rows_next, q, all_steps=True)
     xT, A = _x_block(rows_next, blocks[0][1], H, gamma_T, ident, ident_f, q, w_gate.dtype)
     rows_next = None
