@@ -148,6 +148,8 @@ def run_kernel(kernel: Kernel, args, kwargs):
                                  f"{gen.name}")
     launch = rt.Launch(gen, lnc, kernel.fn.__name__, grid=kernel.grid is not None,
                        options=kernel.options)
+    from . import collectives
+    launch.world, launch.rank = collectives.context()   # run_ranks: this call's rank
     for tr in rt._tracers:
         tr.launches.append({"kernel": kernel.fn.__name__, "target": gen.name, "lnc": lnc,
                             "first_instruction": len(tr.instructions)})
@@ -178,6 +180,7 @@ def run_kernel(kernel: Kernel, args, kwargs):
         return v
 
     call_args = {n: convert(n, v) for n, v in bound.arguments.items()}
+    launch.io_storages = {id(t.storage) for t, _, _ in write_back}
     results = [None] * lnc
     errors = [None] * lnc
 

@@ -24,8 +24,11 @@ provides. Every stand-in is harness plumbing; none is a kernel or a golden value
   ``aws_embedded_metrics``, ``plotext``, ``pytest_html``, ``file_classifier`` (empty modules whose
   attributes are inert placeholders).
 
-* One harness bug fixed in-process: its simulation path reads ``Orchestrator._compiled_kernel``,
-  which only the (skipped) compilation step sets; the class gets a ``None`` default.
+* Two harness bugs fixed in-process: its simulation path reads ``Orchestrator._compiled_kernel``,
+  which only the (skipped) compilation step sets (the class gets a ``None`` default); and it runs
+  a single rank, so a test of collectives over several ranks runs all its ranks together on the
+  emulator (``nki_kernels.emulator.collectives.run_ranks``), each rank's outputs written where
+  the harness's hardware path puts them (``output_worker_<rank>/``).
 
 Nothing is installed on disk and no file of the project is copied or edited. The NKI version the
 emulator follows is ``--nki-version`` (or ``NKI_EMULATOR_VERSION``); NKI Library's public head
@@ -224,12 +227,70 @@ def _patch_harness_bugs():
 
     * ``Orchestrator._rename_neff_outputs_to_python_names`` reads ``self._compiled_kernel``, which
       only the compilation step (skipped in simulation) sets: give the class a ``None`` default.
+    * Its simulation path runs one rank (``simulate_kernel`` calls ``.items()`` on a
+      ``PerRankLazyInputGenerator``): a test with ``collective_ranks > 1`` runs every rank at once
+      on the emulator (``collectives.run_ranks``) and writes each rank's outputs to
+      ``output_worker_<rank>/``, the layout of the harness's own hardware path, which its
+      validator reads.
     """
     for name, mod in list(sys.modules.items()):
         if name.endswith("utils.test_orchestrator"):
             orch = getattr(mod, "Orchestrator", None)
-            if orch is not None and not hasattr(orch, "_compiled_kernel"):
+            if orch is None:
+                continue
+            if not hasattr(orch, "_compiled_kernel"):
                 orch._compiled_kernel = None
+            run = getattr(orch, "_run_simulator_inference", None)
+            if run is not None and not getattr(run, "_nki_kernels_ranks", False):
+                orch._run_simulator_inference = _multi_rank(run, mod)
+
+
+def _multi_rank(single, orch_mod):
+    """``Orchestrator._run_simulator_inference`` that runs all ranks of a collective test."""
+    import importlib
+
+    def run(self, kernel_under_test):
+        n = getattr(kernel_under_test.inference_args, "collective_ranks", 1) or 1
+        if n <= 1:
+            return single(self, kernel_under_test)
+        try:
+            return _simulate_ranks(self, kernel_under_test, n, orch_mod)
+        except Exception as e:
+            exc = getattr(orch_mod, "InferenceException", RuntimeError)
+            raise exc(str(e)) from e
+
+    def _simulate_ranks(self, kut, n, orch_mod):
+        from . import collectives, cpu_simulate
+        sim = importlib.import_module(".simulation_setup", orch_mod.__package__)
+        inputs = kut.kernel_input
+        per_rank = [inputs.for_rank(r) if hasattr(inputs, "for_rank") else dict(inputs or {})
+                    for r in range(n)]
+        os.environ["NKI_NC_VERSION"] = kut.compiler_input.platform_target.get_nc_gen()
+        lnc = kut.compiler_input.logical_nc_config
+
+        def call(**kw):
+            kw = {k.removesuffix(".must_alias_input"): v for k, v in kw.items()}
+            return cpu_simulate(kut.kernel_func)[lnc](**kw)
+
+        results = collectives.run_ranks(call, per_rank)
+        if kut.validation_args is None:
+            raise ValueError("Simulation mode requires validation_args to verify outputs")
+        out_dir = os.path.join(self.fs_config.artifacts_output_directory_path,
+                               orch_mod.INF_ARTIFACT_DIR_NAME)
+        for r, res in enumerate(results):
+            outs = [] if res is None else list(res) if isinstance(res, (list, tuple)) else [res]
+            golden = sim.normalize_golden_output(kut.validation_args.golden_output, r)
+            if len(outs) != len(golden):
+                raise RuntimeError(f"rank {r}: kernel returned {len(outs)} outputs but expected "
+                                   f"{len(golden)} ({list(golden)})")
+            tensors = {name: np.asarray(o, dtype=g.dtype)
+                       for name, o, g in zip(golden, outs, golden.values())}
+            self.__dump_tensors__(os.path.join(out_dir, f"output_worker_{r}"), tensors,
+                                  lambda name: name)
+        return out_dir
+
+    run._nki_kernels_ranks = True
+    return run
 
 
 def pytest_sessionstart(session):

@@ -375,6 +375,8 @@ class Launch:
         self.arrived = [0] * lnc
         self.mailbox = {}
         self.shared = []         # shared_hbm allocations, matched across programs by order
+        self.world, self.rank = None, 0   # nki.collectives: the run_ranks world and this rank
+        self.io_storages = set()          # storage ids of the kernel's array arguments
         self.shared_idx = [0] * lnc
 
     # ---- scheduling

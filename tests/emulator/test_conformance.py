@@ -2,6 +2,7 @@
 table, outputs aliasing inputs, and the runner for a project's own pytest suite."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -170,8 +171,8 @@ def test_module_table_covers_the_harness_imports():
         assert name in table
     assert table["nki.language.dtypes"].bfloat16 is nl.bfloat16
     assert emu.collectives.rank_id() == 0
-    with pytest.raises(NotImplementedError, match="all_gather"):
-        emu.collectives.all_gather()
+    with pytest.raises(NotImplementedError, match="all_to_all_v"):
+        emu.collectives.all_to_all_v()
 
 
 def test_import_nki_dtype_as_module_names_the_dtypes():
@@ -256,6 +257,74 @@ def test_runner_runs_a_projects_suite_with_the_standins(tmp_path):
     rc = main([str(tmp_path), "--nki-version", "0.3", "--", "-q", "-p", "no:cacheprovider",
                "test_k.py"])
     assert rc == 0
+
+
+def test_runner_runs_every_rank_of_a_collective_test(tmp_path, monkeypatch):
+    """The harness's simulation path runs one rank; the runner's patch runs all ranks of a test
+    with collective_ranks > 1 and writes each rank's outputs to output_worker_<rank>/ (a minimal
+    harness of the same shape, written here)."""
+    pkg = tmp_path / "fakeh" / "utils"
+    pkg.mkdir(parents=True)
+    (tmp_path / "fakeh" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "simulation_setup.py").write_text(textwrap.dedent("""
+        def normalize_golden_output(golden, rank_id=0):
+            return golden.for_rank(rank_id) if hasattr(golden, "for_rank") else golden
+    """))
+    (pkg / "test_orchestrator.py").write_text(textwrap.dedent("""
+        import os
+        import numpy as np
+        INF_ARTIFACT_DIR_NAME = "infer_result"
+        class InferenceException(Exception):
+            pass
+        class Orchestrator:
+            def _run_simulator_inference(self, kut):
+                raise AssertionError("single-rank path")
+            def __dump_tensors__(self, d, tensors, name_fn):
+                os.makedirs(d, exist_ok=True)
+                for n, v in tensors.items():
+                    np.save(os.path.join(d, name_fn(n) + ".npy"), v)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+    import types
+
+    from nki_kernels.emulator import collectives as cc
+    from nki_kernels.emulator.pytest_plugin import _patch_harness_bugs
+    mod = importlib.import_module("fakeh.utils.test_orchestrator")
+    _patch_harness_bugs()
+    assert getattr(mod.Orchestrator._run_simulator_inference, "_nki_kernels_ranks", False)
+
+    @jit
+    def gather(x, rg):
+        src = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm, name="src")
+        dst = nl.ndarray((2 * x.shape[0], x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm,
+                         name="dst")
+        nisa.dma_copy(dst=src, src=x)
+        cc.all_gather([src], [dst], rg, 0)
+        return dst
+
+    xs = [np.full((4, 8), r + 1, np.float32) for r in range(2)]
+    rg = cc.ReplicaGroup([[0, 1]])
+
+    class PerRank:
+        def __init__(self, f):
+            self.for_rank = f
+    kut = types.SimpleNamespace(
+        kernel_func=gather,
+        kernel_input=PerRank(lambda r: {"x": xs[r], "rg": rg}),
+        inference_args=types.SimpleNamespace(collective_ranks=2),
+        compiler_input=types.SimpleNamespace(
+            logical_nc_config=1, platform_target=types.SimpleNamespace(get_nc_gen=lambda: "gen3")),
+        validation_args=types.SimpleNamespace(
+            golden_output=PerRank(lambda r: {"out": np.zeros((8, 8), np.float32)})))
+    orch = mod.Orchestrator()
+    orch.fs_config = types.SimpleNamespace(artifacts_output_directory_path=str(tmp_path / "a"))
+    monkeypatch.setenv("NKI_NC_VERSION", "gen3")
+    out = orch._run_simulator_inference(kut)
+    for r in range(2):
+        got = np.load(os.path.join(out, f"output_worker_{r}", "out.npy"))
+        np.testing.assert_array_equal(got, np.concatenate(xs, 0))
 
 
 def test_neuron_dtypes_standin_packs_mx():
