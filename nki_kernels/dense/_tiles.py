@@ -153,11 +153,16 @@ def load_tile_vector(v, tiles, dtype=None, ident=None):
     return out
 
 
-def load_row_broadcast(v, L, dtype=None):
-    """HBM vector ``v [n]`` -> SBUF ``[L, n]`` with the same row in every partition."""
+def load_row_broadcast(v, L, dtype=None, chunks=1):
+    """HBM vector ``v [n]`` -> SBUF ``[L, n]`` with the same row in every partition (in
+    ``chunks`` column ranges, one DMA each, so a consumer can start on the first)."""
     n = v.shape[0]
     out = nl.ndarray((L, n), dtype=dtype or v.dtype, buffer=nl.sbuf)     # [L, n]
-    nisa.dma_copy(dst=out, src=v.reshape((1, n)).broadcast(0, L))
+    row = v.reshape((1, n))
+    w = -(-n // chunks)
+    for c0 in range(0, n, w):
+        c1 = min(n, c0 + w)
+        nisa.dma_copy(dst=out[:, c0:c1], src=row[:, c0:c1].broadcast(0, L))
     return out
 
 

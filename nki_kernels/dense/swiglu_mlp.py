@@ -144,9 +144,12 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
             led.take("gamma_row", 4 * H)
         led.take("ones", 4 * P)
 
+    nc = GAMMA_CHUNKS if norm else 1      # _Fp8's column ranges
+
     def quantize_step(k):                 # _Fp8.quantize_rows, one sub-tile
-        for n in ("mx", "mn", "amax", ("sc", k), "inv"):
+        for n in ("mx", "mn", ("sc", k), "inv"):
             led.take(n, 4)
+        led.take("amax", 4 * nc + (4 if nc > 1 else 0))
         led.take("xq", H)
         led.take(("xqb", k), 2 * H)
         led.drop(("rows", k), "mx", "mn", "amax", "inv", "xq")
@@ -296,7 +299,8 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
         q = _Fp8(w_gate.dtype, (D.load_col_vector(s_gate, I, ident=ident_f),
                                 D.load_col_vector(s_up, I, ident=ident_f),
                                 D.load_col_vector(s_down, H, ident=ident_f)),
-                 D.load_row_broadcast(norm_w, P, nl.float32) if norm else None)
+                 D.load_row_broadcast(norm_w, P, nl.float32, chunks=GAMMA_CHUNKS) if norm
+                 else None, GAMMA_CHUNKS)
     else:
         rows_next = D.x_rows_normalised(x, blocks[0][0], blocks[0][1], None, None, norm, eps)
     _x_quantize(rows_next, q, all_steps=True)
@@ -403,6 +407,12 @@ def _x_block(rows, tb, H, gamma_T, ident, ident_f, q, wdtype):
     return D.x_transposed([r[:3] for r in rows], tb, H, None, ident, wdtype, True), A
 
 
+# FP8 with RMSNorm: the norm weight's row broadcast (4 H bytes per partition) arrives in this
+# many column ranges, and the first block's weight multiply, |x|max and quantize passes run per
+# range, so they start on the first range instead of after the whole broadcast.
+GAMMA_CHUNKS = 4
+
+
 class _Fp8:
     """Per-token activation quantization for the FP8 (double_row) path.
 
@@ -412,11 +422,12 @@ class _Fp8:
     are applied as row tiles ``[128, tb]`` broadcast to all partitions by a K=1 matmul.
     """
 
-    def __init__(self, dtype, wscales, gamma_row):
+    def __init__(self, dtype, wscales, gamma_row, gamma_chunks=1):
         self.dtype = dtype
         self.fmax = 448.0 if dtype == nl.float8_e4m3fn else 240.0
         self.ws = wscales
         self.gamma_row = gamma_row
+        self.gamma_chunks = 1 if gamma_row is None else gamma_chunks
         self.ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)     # [1, 128]
         nisa.memset(dst=self.ones, value=1.0)
 
@@ -444,26 +455,38 @@ class _Fp8:
         transposes) and the per-token scale column (``row_scales`` makes a row tile of them).
 
         A step's full-width passes are spread over GpSimd (norm weight in place, bf16 copy),
-        VectorE (|x|max, one pass) and ScalarE (quantize); the
+        VectorE (|x|max) and ScalarE (quantize), each per column range of the norm weight's
+        broadcast (``gamma_chunks``; one range without a norm weight); the
         caller spaces the steps out so that VectorE's evictions never queue behind them all."""
+        H = subs[0][2].shape[1] if subs else 0
+        cw = max(1, -(-H // self.gamma_chunks))
+        cols = [(c0, min(H, c0 + cw)) for c0 in range(0, H, cw)]     # column ranges
         if self.gamma_row is not None:      # all sub-tiles now, in place: no step waits on it
             for _, ts, xn in subs:
-                nisa.tensor_tensor(dst=xn, data1=xn, data2=self.gamma_row[0:ts, :],
-                                   op=nl.multiply, engine=nisa.engine.gpsimd)
+                for c0, c1 in cols:
+                    nisa.tensor_tensor(dst=xn[:, c0:c1], data1=xn[:, c0:c1],
+                                       data2=self.gamma_row[0:ts, c0:c1],
+                                       op=nl.multiply, engine=nisa.engine.gpsimd)
 
         def step(i):
             s0, ts, xn = subs[i]
-            H = xn.shape[1]
             # |x|max in one VectorE pass; its |x| output goes to the bf16 tile that later takes
             # the FP8 values (exact: |x| of bf16 data is bf16), so no extra tile is needed
             xqb = nl.ndarray((ts, H), dtype=nl.bfloat16, buffer=nl.sbuf)       # [ts, H]
-            amax = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)       # [ts, 1]
-            nisa.tensor_scalar_reduce(dst=xqb, data=xn, op0=nl.abs, operand0=0.0,
-                                      reduce_op=nl.maximum, reduce_res=amax)
+            amax = nl.ndarray((ts, len(cols)), dtype=nl.float32, buffer=nl.sbuf)  # [ts, nc]
+            for k, (c0, c1) in enumerate(cols):
+                nisa.tensor_scalar_reduce(dst=xqb[:, c0:c1], data=xn[:, c0:c1], op0=nl.abs,
+                                          operand0=0.0, reduce_op=nl.maximum,
+                                          reduce_res=amax[:, k:k + 1])
+            if len(cols) > 1:
+                am = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)     # [ts, 1]
+                nisa.tensor_reduce(dst=am, data=amax, op=nl.maximum, axis=1)
+                amax = am
             sc, inv = self._scale_and_inverse(amax, 1)
             xq = nl.ndarray((ts, H), dtype=self.dtype, buffer=nl.sbuf)         # [ts, H] fp8
-            nisa.activation(dst=xq, op=nl.copy, data=xn, scale=inv)            # fp32, cast
-            nisa.tensor_copy(dst=xqb, src=xq, engine=nisa.engine.gpsimd)
+            for c0, c1 in cols:
+                nisa.activation(dst=xq[:, c0:c1], op=nl.copy, data=xn[:, c0:c1], scale=inv)
+                nisa.tensor_copy(dst=xqb[:, c0:c1], src=xq[:, c0:c1], engine=nisa.engine.gpsimd)
             subs[i] = (s0, ts, xqb, sc)
 
         return [lambda i=i: step(i) for i in range(len(subs))]
