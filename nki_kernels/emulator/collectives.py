@@ -136,12 +136,7 @@ def run_ranks(call, per_rank_kwargs):
         finally:
             world.end(r)
 
-    threads = [threading.Thread(target=rank_main, args=(r,), name=f"nki-rank-{r}")
-               for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    rt.run_threads(rank_main, n, "nki-rank")
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         root = [(r, e) for r, e in failed if "ended without reaching" not in str(e)]
@@ -291,6 +286,34 @@ def _sig(ts):
     return [(tuple(t.shape), str(t.dtype)) for t in ts]
 
 
+def _share(what, core, world, rank, group, seq, srcs, data=None, role="srcs"):
+    """Meet the group: every rank's copy of its sources (``data``, else the tensors read now),
+    checked to have this rank's shapes and dtypes. Returns {rank: [arrays]}."""
+    if data is None:
+        data = [np.array(s._read(), copy=True) for s in srcs]
+    got = _exchange(what, core, world, rank, group, seq, (_sig(srcs), data))
+    _same(what, role, {r: p[0] for r, p in got.items()}, _sig(srcs))
+    return {r: p[1] for r, p in got.items()}
+
+
+def _split(what, srcs, group):
+    """The sources split along dim 0 into one chunk per rank of the group; returns its size."""
+    g = len(group)
+    for i, s in enumerate(srcs):
+        if s.shape[0] % g:
+            raise fail(what, f"srcs[{i}]", f"dim 0 ({s.shape[0]}) does not split into {g} ranks")
+    return g
+
+
+def _reduce(f, parts):
+    """Fold ``f`` over the arrays in order, in fp32 (int64 for integers)."""
+    acc = None
+    for x in parts:
+        x = _wide(x)
+        acc = x if acc is None else f(acc, x)
+    return acc
+
+
 def _write(t, arr):
     t._write(np.asarray(arr).astype(t.dtype.np, copy=False).reshape(t.shape))
 
@@ -314,15 +337,9 @@ def all_reduce(srcs, dsts, replica_group, op, priority=None, name=None):
     for i, (s, d) in enumerate(zip(srcs, dsts)):
         if s.shape != d.shape:
             raise fail(what, f"dsts[{i}]", f"has shape {d.shape}; srcs[{i}] is {s.shape}")
-    got = _exchange(what, core, world, rank, group, seq,
-                    (_sig(srcs), [np.array(s._read(), copy=True) for s in srcs]))
-    _same(what, "srcs", {r: g[0] for r, g in got.items()}, _sig(srcs))
+    got = _share(what, core, world, rank, group, seq, srcs)
     for i, d in enumerate(dsts):
-        acc = None
-        for r in group:
-            x = _wide(got[r][1][i])
-            acc = x if acc is None else f(acc, x)
-        _write(d, acc)
+        _write(d, _reduce(f, [got[r][i] for r in group]))
     return _emit(what, srcs, dsts, name, ranks=len(group))
 
 
@@ -341,11 +358,9 @@ def all_gather(srcs, dsts, replica_group, collective_dim, priority=None, name=No
         if list(d.shape) != want:
             raise fail(what, f"dsts[{i}]", f"has shape {d.shape}; gathering {g} ranks' "
                                            f"{s.shape} along dim {collective_dim} gives {tuple(want)}")
-    got = _exchange(what, core, world, rank, group, seq,
-                    (_sig(srcs), [np.array(s._read(), copy=True) for s in srcs]))
-    _same(what, "srcs", {r: p[0] for r, p in got.items()}, _sig(srcs))
+    got = _share(what, core, world, rank, group, seq, srcs)
     for i, d in enumerate(dsts):
-        _write(d, np.concatenate([got[r][1][i] for r in group], axis=collective_dim))
+        _write(d, np.concatenate([got[r][i] for r in group], axis=collective_dim))
     return _emit(what, srcs, dsts, name, ranks=g)
 
 
@@ -359,25 +374,17 @@ def reduce_scatter(srcs, dsts, replica_group, collective_dim, op, priority=None,
     sbuf = _memory(what, srcs, dsts)
     _dim(what, collective_dim, sbuf)
     _check_dtypes(what, srcs, dsts)
-    g = len(group)
+    g = _split(what, srcs, group)
     for i, (s, d) in enumerate(zip(srcs, dsts)):
-        if s.shape[0] % g:
-            raise fail(what, f"srcs[{i}]", f"dim 0 ({s.shape[0]}) does not split into {g} ranks")
         want = (s.shape[0] // g, *s.shape[1:])
         if tuple(d.shape) != want:
             raise fail(what, f"dsts[{i}]", f"has shape {d.shape}; one of {g} chunks of "
                                            f"{s.shape} along dim 0 is {want}")
-    got = _exchange(what, core, world, rank, group, seq,
-                    (_sig(srcs), [np.array(s._read(), copy=True) for s in srcs]))
-    _same(what, "srcs", {r: p[0] for r, p in got.items()}, _sig(srcs))
+    got = _share(what, core, world, rank, group, seq, srcs)
     pos = group.index(rank)
     for i, d in enumerate(dsts):
         c = d.shape[0]
-        acc = None
-        for r in group:
-            x = _wide(got[r][1][i][pos * c:(pos + 1) * c])
-            acc = x if acc is None else f(acc, x)
-        _write(d, acc)
+        _write(d, _reduce(f, [got[r][i][pos * c:(pos + 1) * c] for r in group]))
     return _emit(what, srcs, dsts, name, ranks=g)
 
 
@@ -390,19 +397,15 @@ def all_to_all(srcs, dsts, replica_group, collective_dim, priority=None, name=No
     _memory(what, srcs, dsts, hbm_only=True)
     _dim(what, collective_dim, False)
     _check_dtypes(what, srcs, dsts)
-    g = len(group)
+    g = _split(what, srcs, group)
     for i, (s, d) in enumerate(zip(srcs, dsts)):
-        if s.shape[0] % g:
-            raise fail(what, f"srcs[{i}]", f"dim 0 ({s.shape[0]}) does not split into {g} ranks")
         if tuple(d.shape) != tuple(s.shape):
             raise fail(what, f"dsts[{i}]", f"has shape {d.shape}; srcs[{i}] is {s.shape}")
-    got = _exchange(what, core, world, rank, group, seq,
-                    (_sig(srcs), [np.array(s._read(), copy=True) for s in srcs]))
-    _same(what, "srcs", {r: p[0] for r, p in got.items()}, _sig(srcs))
+    got = _share(what, core, world, rank, group, seq, srcs)
     pos = group.index(rank)
     for i, d in enumerate(dsts):
         c = d.shape[0] // g
-        _write(d, np.concatenate([got[r][1][i][pos * c:(pos + 1) * c] for r in group], axis=0))
+        _write(d, np.concatenate([got[r][i][pos * c:(pos + 1) * c] for r in group], axis=0))
     return _emit(what, srcs, dsts, name, ranks=g)
 
 
@@ -426,12 +429,10 @@ def collective_permute(srcs, dsts, source_target_pairs, priority=None, name=None
     if rank not in members:
         raise fail(what, "source_target_pairs", f"{pairs} does not name rank {rank}, which "
                                                 f"issued the collective")
-    got = _exchange(what, core, world, rank, members, seq,
-                    (_sig(srcs), [np.array(srcs[0]._read(), copy=True)]))
-    _same(what, "srcs", {r: p[0] for r, p in got.items()}, _sig(srcs))
+    got = _share(what, core, world, rank, members, seq, srcs)
     for s, t in pairs:
         if t == rank:
-            _write(dsts[0], got[s][1][0])
+            _write(dsts[0], got[s][0])
     return _emit(what, srcs, dsts, name, ranks=len(members))
 
 
@@ -474,12 +475,10 @@ def collective_permute_implicit(srcs_by_channel, dsts_by_channel, replica_group,
         _check_dtypes(what, [s], [d])
         if s.shape != d.shape:
             raise fail(what, f"dsts_by_channel[{c}]", f"has shape {d.shape}; the source is {s.shape}")
-    got = _exchange(what, core, world, rank, group, seq,
-                    (_sig(srcs), [np.array(s._read(), copy=True) for s in srcs]))
-    _same(what, "srcs_by_channel", {r: p[0] for r, p in got.items()}, _sig(srcs))
+    got = _share(what, core, world, rank, group, seq, srcs, role="srcs_by_channel")
     prev = _ring(group, rank)
     for c, d in enumerate(dsts):
-        _write(d, got[prev][1][c])
+        _write(d, got[prev][c])
     return _emit(what, srcs, dsts, name, ranks=len(group))
 
 
@@ -499,12 +498,11 @@ def collective_permute_implicit_reduce(srcs0_by_channel, srcs1_by_channel, dsts_
         if not a.shape == b.shape == d.shape:
             raise fail(what, f"dsts_by_channel[{c}]", f"sources {a.shape}, {b.shape} and "
                                                       f"destination {d.shape} must match")
-    mine = [f(_wide(a._read()), _wide(b._read())) for a, b in zip(srcs0, srcs1)]
-    got = _exchange(what, core, world, rank, group, seq, (_sig(srcs0), mine))
-    _same(what, "srcs0_by_channel", {r: p[0] for r, p in got.items()}, _sig(srcs0))
+    mine = [_reduce(f, [a._read(), b._read()]) for a, b in zip(srcs0, srcs1)]
+    got = _share(what, core, world, rank, group, seq, srcs0, mine, "srcs0_by_channel")
     prev = _ring(group, rank)
     for c, d in enumerate(dsts):
-        _write(d, got[prev][1][c])
+        _write(d, got[prev][c])
     return _emit(what, srcs0 + srcs1, dsts, name, ranks=len(group))
 
 

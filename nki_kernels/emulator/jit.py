@@ -10,7 +10,6 @@ import enum
 import functools
 import inspect
 import os
-import threading
 import warnings
 
 import numpy as np
@@ -193,12 +192,7 @@ def run_kernel(kernel: Kernel, args, kwargs):
     if lnc == 1:
         program(0)
     else:
-        threads = [threading.Thread(target=program, args=(i,), name=f"nki-program-{i}")
-                   for i in range(lnc)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        rt.run_threads(program, lnc, "nki-program")
     failed = [e for e in errors if e is not None]
     if failed:
         # a program that failed makes the other one fail at its next rendezvous: report the cause

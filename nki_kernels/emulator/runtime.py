@@ -469,6 +469,15 @@ def current_core() -> Core:
     return core
 
 
+def run_threads(fn, n, name):
+    """``fn(i)`` for ``i`` in ``range(n)``, one thread each (named ``name-i``); waits for all."""
+    threads = [threading.Thread(target=fn, args=(i,), name=f"{name}-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def maybe_core():
     return getattr(_tls, "core", None)
 
