@@ -148,20 +148,26 @@ def run_ranks(call, per_rank_kwargs):
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _launch():
+def _caller(what, replica_group, allow_none=False):
+    """The calling program's core and launch, and its rank's row of ``replica_group`` (None
+    for a None group where ``allow_none``: a collective_permute without pairs)."""
     core = rt.maybe_core()
     if core is None:
-        return None, None
-    return core, core.launch
+        raise NkiValidationError(f"nki.collectives.{what}: called outside a kernel")
+    launch = core.launch
+    n_world = launch.world.n if launch.world is not None else 1
+    group = None if replica_group is None and allow_none else \
+        _group(what, replica_group, launch.rank, n_world)
+    return core, launch, group
 
 
 def rank_id(name=None):
     """The calling rank's id (a register inside a kernel; 0 for a single rank)."""
     from .scalars import VirtualRegister
-    core, launch = _launch()
+    core = rt.maybe_core()
     if core is None:
         return 0
-    return VirtualRegister(getattr(launch, "rank", 0))
+    return VirtualRegister(core.launch.rank)
 
 
 def _group(what, replica_group, rank, n_world):
@@ -208,8 +214,7 @@ def _memory(what, srcs, dsts, hbm_only=False, single=False):
     if sbuf and len(srcs) > 1:
         raise fail(what, "srcs", f"holds {len(srcs)} SBUF tensors; coalesced collectives "
                                  f"(several tensors) need HBM tensors")
-    launch = rt.current_core().launch
-    io = getattr(launch, "io_storages", set())
+    io = rt.current_core().launch.io_storages
     for role, ts in (("srcs", srcs), ("dsts", dsts)):
         for t in ts:
             if id(t.storage) in io:
@@ -251,28 +256,15 @@ def _same(what, role, got, want):
                                    f"(every rank passes tensors of the same shapes and dtypes)")
 
 
-def _start(what, replica_group):
+def _start(what, replica_group, allow_none=False):
     """Checks common to every collective; returns (core, world, rank, group, seq)."""
-    core, launch = _launch()
-    if core is None:
-        raise NkiValidationError(f"nki.collectives.{what}: called outside a kernel")
-    rt_gen = core.gen
-    if rt_gen.nc_version < 3:
+    core, launch, group = _caller(what, replica_group, allow_none)
+    if core.gen.nc_version < 3:
         raise NkiValidationError(f"nki.collectives.{what}: needs NeuronCore-v3 or newer "
-                                 f"(Trn2+); target is {rt_gen.name}")
-    world = getattr(launch, "world", None)
-    rank = getattr(launch, "rank", 0)
-    n_world = world.n if world is not None else 1
-    group = _group(what, replica_group, rank, n_world) if replica_group is not None else None
-    seq = getattr(core, "collective_seq", 0)
+                                 f"(Trn2+); target is {core.gen.name}")
+    seq = core.collective_seq
     core.collective_seq = seq + 1
-    return core, world, rank, group, seq
-
-
-def _exchange(what, core, world, rank, group, seq, payload):
-    if world is None:
-        return {rank: payload}
-    return world.meet(rank, core.program_id, seq, what, group, payload)
+    return core, launch.world, launch.rank, group, seq
 
 
 def _emit(what, srcs, dsts, name, **attrs):
@@ -291,7 +283,9 @@ def _share(what, core, world, rank, group, seq, srcs, data=None, role="srcs"):
     checked to have this rank's shapes and dtypes. Returns {rank: [arrays]}."""
     if data is None:
         data = [np.array(s._read(), copy=True) for s in srcs]
-    got = _exchange(what, core, world, rank, group, seq, (_sig(srcs), data))
+    payload = (_sig(srcs), data)
+    got = {rank: payload} if world is None else \
+        world.meet(rank, core.program_id, seq, what, group, payload)
     _same(what, role, {r: p[0] for r, p in got.items()}, _sig(srcs))
     return {r: p[1] for r, p in got.items()}
 
@@ -421,7 +415,8 @@ def collective_permute(srcs, dsts, source_target_pairs, priority=None, name=None
     if len(set(targets)) != len(targets):
         raise fail(what, "source_target_pairs", f"names a target twice: {pairs}")
     members = sorted({r for p in pairs for r in p})
-    core, world, rank, _, seq = _start(what, ReplicaGroup([members]) if members else None)
+    core, world, rank, _, seq = _start(what, ReplicaGroup([members]) if members else None,
+                                      allow_none=True)
     _memory(what, srcs, dsts, hbm_only=True, single=True)
     _check_dtypes(what, srcs, dsts)
     if srcs[0].shape != dsts[0].shape:
@@ -512,12 +507,8 @@ def collective_permute_implicit_current_processing_rank_id(iteration_id, replica
     register."""
     from .scalars import VirtualRegister, is_runtime
     what = "collective_permute_implicit_current_processing_rank_id"
-    core, launch = _launch()
-    if core is None:
-        raise NkiValidationError(f"nki.collectives.{what}: called outside a kernel")
-    world = getattr(launch, "world", None)
-    rank = getattr(launch, "rank", 0)
-    group = _group(what, replica_group, rank, world.n if world is not None else 1)
+    core, launch, group = _caller(what, replica_group)
+    rank = launch.rank
     if not 0 <= channel_id < 4:
         raise fail(what, "channel_id", f"must be 0..3; got {channel_id!r}")
     it = iteration_id._v if is_runtime(iteration_id) else int(iteration_id)

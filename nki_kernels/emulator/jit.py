@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 
+from . import collectives
 from . import dtypes as dt
 from . import runtime as rt
 from .errors import NkiValidationError
@@ -147,7 +148,6 @@ def run_kernel(kernel: Kernel, args, kwargs):
                                  f"{gen.name}")
     launch = rt.Launch(gen, lnc, kernel.fn.__name__, grid=kernel.grid is not None,
                        options=kernel.options)
-    from . import collectives
     launch.world, launch.rank = collectives.context()   # run_ranks: this call's rank
     for tr in rt._tracers:
         tr.launches.append({"kernel": kernel.fn.__name__, "target": gen.name, "lnc": lnc,

@@ -254,31 +254,27 @@ def _multi_rank(single, orch_mod):
         if n <= 1:
             return single(self, kernel_under_test)
         try:
-            return _simulate_ranks(self, kernel_under_test, n, orch_mod)
+            return _simulate_ranks(self, kernel_under_test, n)
         except Exception as e:
             exc = getattr(orch_mod, "InferenceException", RuntimeError)
             raise exc(str(e)) from e
 
-    def _simulate_ranks(self, kut, n, orch_mod):
-        from . import collectives, cpu_simulate
+    def _simulate_ranks(self, kut, n):
+        from . import collectives
         sim = importlib.import_module(".simulation_setup", orch_mod.__package__)
         inputs = kut.kernel_input
         per_rank = [inputs.for_rank(r) if hasattr(inputs, "for_rank") else dict(inputs or {})
                     for r in range(n)]
         os.environ["NKI_NC_VERSION"] = kut.compiler_input.platform_target.get_nc_gen()
         lnc = kut.compiler_input.logical_nc_config
-
-        def call(**kw):
-            kw = {k.removesuffix(".must_alias_input"): v for k, v in kw.items()}
-            return cpu_simulate(kut.kernel_func)[lnc](**kw)
-
-        results = collectives.run_ranks(call, per_rank)
+        # each rank through the harness's own one-rank call (its argument names, its outputs)
+        results = collectives.run_ranks(
+            lambda **kw: sim.simulate_kernel(kut.kernel_func, kw, lnc), per_rank)
         if kut.validation_args is None:
             raise ValueError("Simulation mode requires validation_args to verify outputs")
         out_dir = os.path.join(self.fs_config.artifacts_output_directory_path,
                                orch_mod.INF_ARTIFACT_DIR_NAME)
-        for r, res in enumerate(results):
-            outs = [] if res is None else list(res) if isinstance(res, (list, tuple)) else [res]
+        for r, outs in enumerate(results):
             golden = sim.normalize_golden_output(kut.validation_args.golden_output, r)
             if len(outs) != len(golden):
                 raise RuntimeError(f"rank {r}: kernel returned {len(outs)} outputs but expected "

@@ -352,6 +352,7 @@ class Core:
         self.dve_acc_valid = False
         self.identity_cache = {}
         self.barrier_count = 0
+        self.collective_seq = 0          # nki.collectives issued by this program so far
 
 
 class Launch:
