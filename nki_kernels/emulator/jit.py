@@ -10,6 +10,7 @@ import enum
 import functools
 import inspect
 import os
+import time
 import warnings
 
 import numpy as np
@@ -137,10 +138,24 @@ def _lnc_from_env():
     return int(v)
 
 
+# Wall seconds spent in top-level kernel launches since the process started (summed over
+# concurrent launches, e.g. the ranks of ``collectives.run_ranks``): the suite runner's log
+# reports each test's share, separating the emulator's time from its harness's.
+EMULATED_SECONDS = [0.0]
+
+
 def run_kernel(kernel: Kernel, args, kwargs):
     core = rt.maybe_core()
     if core is not None:
         return _inline(kernel, core.launch, args, kwargs)
+    t0 = time.perf_counter()
+    try:
+        return _launch(kernel, args, kwargs)
+    finally:
+        EMULATED_SECONDS[0] += time.perf_counter() - t0
+
+
+def _launch(kernel: Kernel, args, kwargs):
     gen = rt.current_gen()
     lnc = kernel.grid or _lnc_from_env() or 1
     if lnc == 2 and gen.nc_version < 3:

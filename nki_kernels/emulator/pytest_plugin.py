@@ -302,13 +302,17 @@ _CPU = {}
 
 def pytest_runtest_call(item):
     import time
-    _CPU[item.nodeid] = time.process_time()
+
+    from .jit import EMULATED_SECONDS
+    _CPU[item.nodeid] = (time.process_time(), EMULATED_SECONDS[0])
 
 
 def pytest_runtest_logreport(report):
     """With ``NKI_SUITE_TIMES=path``: one tab-separated line per test phase (outcome, wall
-    seconds, first line of the failure, CPU seconds of the call) appended as it finishes, so
-    partial runs can be tallied and timed independently of the machine's load."""
+    seconds, first line of the failure, CPU seconds of the call, wall seconds of the call
+    inside the emulator's kernel launches) appended as it finishes, so partial runs can be
+    tallied and timed independently of the machine's load, and the emulator's share of a test
+    told from its harness's (input generation, goldens, comparison)."""
     path = os.environ.get("NKI_SUITE_TIMES")
     if not path or (report.when != "call" and report.outcome == "passed"):
         return
@@ -320,10 +324,13 @@ def pytest_runtest_logreport(report):
     elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
         msg = str(report.longrepr[2])[:120]
     import time
-    cpu = time.process_time() - _CPU.pop(report.nodeid, time.process_time())
+
+    from .jit import EMULATED_SECONDS
+    cpu0, emu0 = _CPU.pop(report.nodeid, (time.process_time(), EMULATED_SECONDS[0]))
+    cpu, emu = time.process_time() - cpu0, EMULATED_SECONDS[0] - emu0
     with open(path, "a") as f:
         f.write(f"{report.nodeid}\t{report.when}\t{report.outcome}\t{report.duration:.2f}\t"
-                f"{msg}\t{cpu:.2f}\n")
+                f"{msg}\t{cpu:.2f}\t{emu:.3f}\n")
 
 
 def pytest_report_header(config):

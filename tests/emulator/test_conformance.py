@@ -231,8 +231,11 @@ def test_cpu_simulate_spelling():
 
 
 # ------------------------------------------------------------------------------------------ runner
-def test_runner_runs_a_projects_suite_with_the_standins(tmp_path):
+def test_runner_runs_a_projects_suite_with_the_standins(tmp_path, monkeypatch):
+    log = tmp_path / "times.tsv"
+    monkeypatch.setenv("NKI_SUITE_TIMES", str(log))
     (tmp_path / "test_k.py").write_text(textwrap.dedent("""
+        import time
         import numpy as np
         import neuron_dtypes as dt
         import nki, nki.language as nl, nki.isa as nisa
@@ -252,11 +255,17 @@ def test_runner_runs_a_projects_suite_with_the_standins(tmp_path):
             assert x.dtype == np.dtype("bfloat16") and sim_dtypes.bfloat16 is nl.bfloat16
             r = nki.cpu_simulate(double)[1](x=x)
             assert np.array_equal(r.astype(np.float32), 2 * x.astype(np.float32))
+            time.sleep(0.3)                      # harness time, outside the kernel
     """))
     from nki_kernels.emulator.pytest_plugin import main
     rc = main([str(tmp_path), "--nki-version", "0.3", "--", "-q", "-p", "no:cacheprovider",
                "test_k.py"])
     assert rc == 0
+    # the log: node, phase, outcome, wall s, message, CPU s, emulator s (the kernel's share)
+    (line,) = [ln.split("\t") for ln in log.read_text().splitlines()]
+    assert line[0].endswith("test_double") and line[1:3] == ["call", "passed"]
+    wall, emu = float(line[3]), float(line[6])
+    assert 0 < emu < 0.3 <= wall
 
 
 def test_runner_runs_every_rank_of_a_collective_test(tmp_path, monkeypatch):
