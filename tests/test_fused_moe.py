@@ -187,7 +187,8 @@ def _fp8_case(rng, T, H, I, E, k, dtype, shared=False):
 
 
 @pytest.mark.parametrize("regime,tiled,shared", [("decode", True, True), ("decode", False, False),
-                                                 ("prefill", True, False)])
+                                                 ("prefill", True, False),
+                                                 ("prefill", False, True)])
 def test_fp8(tgt, rng, regime, tiled, shared):
     dtype = E4M3FN if tgt == "trn3" else E4M3
     x, g8, d8, w, ids, kw = _fp8_case(rng, 20, 256, 256, 4, 2, dtype, shared)
@@ -479,3 +480,25 @@ def test_mx_rejects(rng):
         quantize_expert_weights_mx(np.zeros((2, 256, 200)), np.zeros((2, 100, 256)))
     with pytest.raises(ValueError, match=r"quantize_expert_weights_mx: fmt must be one of"):
         quantize_expert_weights_mx(np.zeros((2, 256, 256)), np.zeros((2, 128, 256)), fmt="e2m1")
+
+
+# ---------------------------------------------------------------------------- pipelined prefill
+@pytest.mark.parametrize("T", [300, 600])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefill_gate_up_in_passes(tgt, rng, T, fp8):
+    """I = 2048: at 256-token blocks gate and up accumulate in passes of 8 tiles each (T = 300),
+    at 512-token blocks gate then up (T = 600); each with a tail block on a second expert, so
+    the pipelined loop carries state between blocks of different plans' passes."""
+    H, I, E = 256, 2048, 2
+    ids = np.zeros((T, 1), np.int32)
+    ids[-10:] = 1
+    w = rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32)
+    if not fp8:
+        x, wgu, wd, _, _ = _case(rng, T, H, I, E, 1)
+        _run(x, wgu, wd, w, ids, "prefill")
+        return
+    dtype = E4M3FN if tgt == "trn3" else E4M3
+    x, g8, d8, _, _, kw = _fp8_case(rng, T, H, I, E, 1, dtype)
+    ref = fused_moe_ref(x, g8, d8, w, ids, act_dtype=dtype, **kw)
+    y = fused_moe(x, g8, d8, w, ids, regime="prefill", **kw)
+    assert cosine_similarity(y.astype(np.float32), ref.astype(np.float32)) > 0.999

@@ -233,7 +233,7 @@ def _rstd(x_sb, ts, H, eps):
 
 
 def x_transposed(subs, tb, H, gamma_T=None, ident=None, out_dtype=None, pad_even=False,
-                 squares=None):
+                 squares=None, out=None):
     """Stage 2 of a token block (TensorE, evictions on VectorE / ScalarE): the sub-tiles of
     ``x_rows_normalised`` -> ``xT [128, KT, tb]`` with ``xT[p, kt, t] = x[t, kt*128 + p]``,
     times ``gamma[kt*128 + p]`` when ``gamma_T [128, KT]`` is given.
@@ -242,12 +242,14 @@ def x_transposed(subs, tb, H, gamma_T=None, ident=None, out_dtype=None, pad_even
     ``pad_even`` (FP8 double_row): then they are zero and KT is rounded up to even with a zero
     k-tile. ``out_dtype``: dtype of xT (FP8: the sub-tiles already hold FP8-representable
     values in bf16, so the eviction cast is exact). ``squares``: a ``[128, KT, tb]`` bf16 tile
-    that receives x^2 (without gamma; rows past H zero) for ``norm_rows``.
+    that receives x^2 (without gamma; rows past H zero) for ``norm_rows``. ``out``: write into
+    this ``[128, KTe, tb]`` tile (one allocated outside a hardware loop) instead of a new one.
     """
     KT = cdiv(H, P)
     dt = subs[0][2].dtype
     KTe = KT + (KT % 2 if pad_even else 0)
-    xT = nl.ndarray((P, KTe, tb), dtype=out_dtype or dt, buffer=nl.sbuf)     # [128, KTe, tb]
+    xT = out if out is not None else nl.ndarray((P, KTe, tb), dtype=out_dtype or dt,
+                                                buffer=nl.sbuf)              # [128, KTe, tb]
     if pad_even and H % P:
         nisa.memset(dst=xT[H % P:P, KT - 1, :], value=0.0)
     if KTe > KT:

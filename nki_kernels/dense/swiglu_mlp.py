@@ -398,12 +398,13 @@ def _x_quantize(rows, q, all_steps=False):
     return steps
 
 
-def _x_block(rows, tb, H, gamma_T, ident, ident_f, q, wdtype):
+def _x_block(rows, tb, H, gamma_T, ident, ident_f, q, wdtype, row=None):
     """``_x_quantize`` output -> (xT [128, KT(e), tb], per-token scales A or None) on TensorE.
-    FP8: xT in the weights' FP8 format with double_row padding."""
+    FP8: xT in the weights' FP8 format with double_row padding; ``row``: a ``[1, tb]`` tile that
+    receives the scales as a row too."""
     if q is None:
         return D.x_transposed(rows, tb, H, gamma_T, ident), None
-    A = q.row_scales(rows, tb, ident_f)
+    A = q.row_scales(rows, tb, ident_f, row=row)
     return D.x_transposed([r[:3] for r in rows], tb, H, None, ident, wdtype, True), A
 
 
@@ -431,21 +432,30 @@ class _Fp8:
         self.ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)     # [1, 128]
         nisa.memset(dst=self.ones, value=1.0)
 
-    def _scale_and_inverse(self, amax, n):
-        """amax [p, n] -> (amax / fmax, fmax / max(amax, 1e-30)) fp32."""
-        sc = nl.ndarray((amax.shape[0], n), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=sc, data=amax, op0=nl.multiply, operand0=1.0 / self.fmax)
-        inv = nl.ndarray((amax.shape[0], n), dtype=nl.float32, buffer=nl.sbuf)
+    def scale_and_inverse(self, amax, n, factor=None, out=None):
+        """amax [p, n] -> (amax / fmax (* factor [p, n]), fmax / max(amax, 1e-30)) fp32, into
+        the tiles ``out`` when given."""
+        sc, inv = out if out is not None else (
+            nl.ndarray((amax.shape[0], n), dtype=nl.float32, buffer=nl.sbuf),
+            nl.ndarray((amax.shape[0], n), dtype=nl.float32, buffer=nl.sbuf))
+        if factor is None:
+            nisa.tensor_scalar(dst=sc, data=amax, op0=nl.multiply, operand0=1.0 / self.fmax)
+        else:
+            nisa.scalar_tensor_tensor(dst=sc, data=amax, op0=nl.multiply,
+                                      operand0=1.0 / self.fmax, op1=nl.multiply,
+                                      operand1=factor)
         nisa.tensor_scalar(dst=inv, data=amax, op0=nl.maximum, operand0=1e-30)
         nisa.reciprocal(dst=inv, data=inv)
         nisa.tensor_scalar(dst=inv, data=inv, op0=nl.multiply, operand0=self.fmax)
         return sc, inv
 
-    def _broadcast(self, row, tb):
-        """row [1, tb] fp32 -> [128, tb] fp32 (ones[1, 128].T @ row on TensorE)."""
+    def broadcast(self, row, tb, out=None):
+        """row [1, tb] fp32 -> [128, tb] fp32 (ones[1, 128].T @ row on TensorE), into ``out``
+        when given."""
         ps = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.psum)           # [128, tb]
         nisa.nc_matmul(dst=ps, stationary=self.ones, moving=row)
-        out = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)          # [128, tb]
+        if out is None:
+            out = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)      # [128, tb]
         nisa.tensor_copy(dst=out, src=ps)
         return out
 
@@ -482,7 +492,7 @@ class _Fp8:
                 am = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)     # [ts, 1]
                 nisa.tensor_reduce(dst=am, data=amax, op=nl.maximum, axis=1)
                 amax = am
-            sc, inv = self._scale_and_inverse(amax, 1)
+            sc, inv = self.scale_and_inverse(amax, 1)
             xq = nl.ndarray((ts, H), dtype=self.dtype, buffer=nl.sbuf)         # [ts, H] fp8
             for c0, c1 in cols:
                 nisa.activation(dst=xq[:, c0:c1], op=nl.copy, data=xn[:, c0:c1], scale=inv)
@@ -491,15 +501,17 @@ class _Fp8:
 
         return [lambda i=i: step(i) for i in range(len(subs))]
 
-    def row_scales(self, subs, tb, ident_f):
+    def row_scales(self, subs, tb, ident_f, out=None, row=None):
         """The scale columns of ``quantize_rows`` -> row-broadcast scales A [128, tb]
-        (TensorE transposes, then a K=1 broadcast matmul)."""
-        a_row = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)       # [1, tb]
+        (TensorE transposes, then a K=1 broadcast matmul); ``out`` / ``row``: tiles to write A
+        and the row [1, tb] into."""
+        a_row = row if row is not None else nl.ndarray((1, tb), dtype=nl.float32,
+                                                       buffer=nl.sbuf)       # [1, tb]
         for s0, ts, _, sc in subs:
             tp = nl.ndarray((1, ts), dtype=nl.float32, buffer=nl.psum)         # [1, ts]
             nisa.nc_matmul(dst=tp, stationary=sc, moving=ident_f[0:ts, 0:ts], is_transpose=True)
             nisa.tensor_copy(dst=a_row[:, s0:s0 + ts], src=tp)
-        return self._broadcast(a_row, tb)
+        return self.broadcast(a_row, tb, out)
 
     def track_max(self, hmax, hp, tb, first):
         """hmax[p, t] = max over the pass's tiles (and earlier passes) of |h|."""
@@ -513,14 +525,16 @@ class _Fp8:
             nisa.tensor_reduce(dst=pm, op=nl.maximum, data=ab.permute((0, 2, 1)), axis=2)
             nisa.tensor_tensor(dst=hmax, data1=hmax, data2=pm, op=nl.maximum)
 
-    def quantize_h(self, h_parts, hmax, KI, tb):
+    def quantize_h(self, h_parts, hmax, KI, tb, factor=None, row=False):
         """bf16 pass tiles of h -> hq [128, KIe, tb] FP8 (zero pad tile for double_row) and the
-        row-broadcast scales B [128, tb]."""
+        row-broadcast scales B [128, tb] (``row``: the row [1, tb] itself), times
+        ``factor [1, tb]``: per-token factors left out of h, which per-token quantization
+        absorbs."""
         amax = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)         # [1, tb]
         nisa.tensor_partition_reduce(dst=amax, op=nl.maximum, data=hmax)
-        sc, inv = self._scale_and_inverse(amax, tb)
-        B = self._broadcast(sc, tb)
-        Binv = self._broadcast(inv, tb)
+        sc, inv = self.scale_and_inverse(amax, tb, factor)
+        B = sc if row else self.broadcast(sc, tb)
+        Binv = self.broadcast(inv, tb)
         KIe = KI + KI % 2
         hq = nl.ndarray((P, KIe, tb), dtype=self.dtype, buffer=nl.sbuf)      # [128, KIe, tb]
         if KIe > KI:
@@ -551,10 +565,11 @@ def _runs(widths):
     return out
 
 
-def _silu_evict(acc, widths, tb, q, A, i0):
+def _silu_evict(acc, widths, tb, q, A, i0, up_scale=True):
     """silu(gate) on ScalarE straight from PSUM -> SBUF fp32 [128, nf, tb]. FP8: the token
     scale (VectorE, row tile A) and the channel scale (ScalarE scale column) go in first,
-    and the result carries the token scale of up as well: silu(g) * a_t."""
+    and the result carries the token scale of up as well: silu(g) * a_t (``up_scale``; without
+    it the caller applies a_t later, e.g. folded into the scale of the per-token quantized h)."""
     nf = len(widths)
     sg = nl.ndarray((P, nf, tb), dtype=nl.float32, buffer=nl.sbuf)          # [128, nf, tb]
     if q is None:
@@ -567,7 +582,8 @@ def _silu_evict(acc, widths, tb, q, A, i0):
     for f in range(nf):
         nisa.activation(dst=sg[:, f, :], op=nl.silu, data=ga[:, f, :],
                         scale=q.ws[0][:, i0 + f:i0 + f + 1])
-    nisa.tensor_tensor(dst=sg, data1=sg, data2=Ab, op=nl.multiply)
+    if up_scale:
+        nisa.tensor_tensor(dst=sg, data1=sg, data2=Ab, op=nl.multiply)
     return sg
 
 

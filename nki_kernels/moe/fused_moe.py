@@ -124,13 +124,16 @@ def plan_tiles(regime, tb, H, I, w_bytes, tiled) -> MoEPlan:
 def _sbuf_need(tb, H, I, w_bytes, fp8, plan):
     """Per-partition SBUF bytes of one expert step (upper bound): xT, h, the weight ring (3
     transfers in flight), the silu tile, two yT buffers, the gathered rows (FP8: and their
-    quantization temporaries), fixed tiles."""
+    quantization temporaries), fixed tiles, and what the pipelined loop holds across stages."""
     KT, KI = cdiv(H, P), cdiv(I, P)
     a = 1 if fp8 else 2
     ring = 3 * 2 * plan.kb_gu * plan.nf_gu * P * w_bytes
     rows = cdiv(tb, P) * H * (5 if fp8 else 2)
+    # the pipelined loop holds the next block's drained gate/up passes (FP8: g * a_t and
+    # u * scale, fp32; bf16: h) through the down stage, and a few carried rows
+    drained = KI * tb * (8 if fp8 else 2) + 4 * tb * 4
     return (KT * tb * a + KI * tb * (3 if fp8 else 2) + ring + plan.nf_gu * tb * 8
-            + 2 * plan.nf_d * tb * 4 + rows + 8 * 1024)
+            + 2 * plan.nf_d * tb * 4 + rows + 8 * 1024 + drained)
 
 
 def local_ids(topk_ids, n_local, expert_offset=0):
@@ -213,15 +216,19 @@ def plan_prefill_routing(lids, w, n_local, tb, tt=0):
     """Prefill routing plan: per chosen expert, ``split_expert`` blocks of ``tb`` tokens and
     tail blocks of ``tt`` tokens. Returns one plan per block size (the tail plan None when
     ``tt`` = 0): (block_expert [1, NB] int32, count [1, 1] int32, gather [NB, b] int32, scatter
-    [NB, b] int32, weight [NB, b] fp32). Padding slots gather a real token of the block (weight
-    0) and scatter to row T (out of bounds: skipped). NB = ceil(T*k / tb) + min(E, T*k) full
-    block slots, min(E, T*k) * (tb // tt) tail slots: shapes depend on (T, k, E) only."""
+    [NB, b] int32, weight [NB, b] fp32); count is ``[[n, max(n - 1, 0)]]`` (the blocks, and the
+    iterations of the kernel's pipelined loop). Padding slots gather a real token of the block
+    (weight 0) and scatter to row T (out of bounds: skipped). NB = ceil(T*k / tb) + min(E, T*k)
+    + 1 full block slots, min(E, T*k) * (tb // tt) + 1 tail slots (at least 2 each): shapes
+    depend on (T, k, E) only."""
     T, k = lids.shape
     c = _combine(lids, w, n_local)
     A = T * k
-    sizes = [(tb, max(1, -(-A // tb) + min(n_local, A)))]
+    # one slot more than blocks can fill: the pipelined loop prepares block n while it runs
+    # block n - 1 (a padding slot then)
+    sizes = [(tb, max(2, -(-A // tb) + min(n_local, A) + 1))]
     if tt:
-        sizes.append((tt, max(1, min(n_local, A) * (tb // tt))))
+        sizes.append((tt, max(2, min(n_local, A) * (tb // tt) + 1)))
     plans = []
     for b, NB in sizes:
         plans.append([np.zeros((1, NB), np.int32), 0, np.zeros((NB, b), np.int32),
@@ -241,7 +248,8 @@ def plan_prefill_routing(lids, w, n_local, tb, tt=0):
             pl[3][nb, :tk.size] = tk
             pl[4][nb, :tk.size] = c[e, tk]
             pl[1] = nb + 1
-    out = [(pl[0], np.array([[pl[1]]], np.int32), pl[2], pl[3], pl[4]) for pl in plans]
+    out = [(pl[0], np.array([[pl[1], max(pl[1] - 1, 0)]], np.int32), pl[2], pl[3], pl[4])
+           for pl in plans]
     return out[0], (out[1] if tt else None)
 
 
@@ -385,10 +393,17 @@ def _sbuf_need_mx(tb, H, I, plan):
 
 
 # ---------------------------------------------------------------------------- kernel side
-def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink):
+def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink, row_scale=False):
     """One expert on the token columns of ``xT [128, KT, tb]``: gate/up passes -> the weighted
-    intermediate ``hT [128, KI, tb]`` (``wrow [128, tb]`` per-token weights, None = 1), then the
-    down passes, each handed to ``sink(acc [128, nf, Tp] PSUM, j0, widths, B)``.
+    intermediate ``hT [128, KI, tb]``, then the down passes, each handed to
+    ``sink(acc [128, nf, Tp] PSUM, j0, widths, B)``. ``A``: FP8, the tokens' x scales as the
+    pair (row broadcast ``[128, tb]``, row ``[1, tb]``); bf16, None.
+
+    ``wrow``: the per-token weights (None = 1); bf16: broadcast ``[128, tb]``, multiplied into
+    h. FP8: the row ``[1, tb]``; h is quantized per token, so the token's weight and its x scale
+    ``a_t`` stay out of h and go into the output's token scale B with h's own scale (one
+    ``[1, tb]`` product instead of two full passes over h). ``row_scale``: the sink gets B as
+    the row ``[1, tb]`` (for an epilogue that applies it after transposing to token rows).
 
     ``wgu`` is the expert's whole gate|up weight (``[H, 2I]`` or tile-major ``[2I/128, ...]``).
     When all 2 x KI accumulator tiles fit one pass (``plan.fused``: decode sizes), gate and up
@@ -399,8 +414,13 @@ def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink):
     Tp = D.acc_free(tb)
     gu_tiles = D.feature_tiles([(0, I, 0)])
     if fp8:
+        A, factor = A                                                           # [128|1, tb]
         h_parts = []
         hmax = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)            # [128, tb]
+        if wrow is not None:
+            a_row, factor = factor, nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=factor, data1=a_row, data2=wrow, op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
     else:
         hT = nl.ndarray((P, KI, tb), dtype=nl.bfloat16, buffer=nl.sbuf)         # [128, KI, tb]
     fused = plan.fused
@@ -428,9 +448,9 @@ def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink):
         else:
             acc_g = D.gemm_pass([wg], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
                                 tiled=tiled)[0]
-        sg = _silu_evict(acc_g, widths, tb, q, A, i0)                           # [128, nf, tb]
+        sg = _silu_evict(acc_g, widths, tb, q, A, i0, up_scale=not fp8)          # [128, nf, tb]
         del acc_g
-        if wrow is not None:   # the routing weight of each token (0: it did not choose it)
+        if wrow is not None and not fp8:   # the routing weight of each token (0: not chosen)
             nisa.tensor_tensor(dst=sg, data1=sg, data2=wrow.expand_dim(1).broadcast(1, nf),
                                op=nl.multiply, engine=nisa.engine.gpsimd)
         if not (fused or plan.combined):
@@ -446,7 +466,7 @@ def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink):
         del acc_u, sg
     B = None
     if fp8:
-        hT, B = q.quantize_h(h_parts, hmax, KI, tb)
+        hT, B = q.quantize_h(h_parts, hmax, KI, tb, factor, row_scale)
     d_tiles = D.feature_tiles([(0, H, 0)])
     for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
         widths = [d_tiles[j][1] for j in range(j0, j1)]
@@ -480,16 +500,20 @@ def _load_scales(q, s_gu, s_d, e, I, H, ident_f):
 def _scale_cols(q, row_gu, row_d, I, H, ident_f):
     """Scale rows ``[1, 2I]``, ``[1, H]`` (SBUF) -> per-partition columns in ``q.ws``."""
     KI = I // P
-    cols = []
-    for row, n in ((row_gu, 2 * I), (row_d, H)):
-        ps = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.psum)          # [128, n/128]
-        for j in range(n // P):
-            nisa.nc_matmul(dst=ps[:, j:j + 1], stationary=row[0:1, j * P:(j + 1) * P],
-                           moving=ident_f[0:1, 0:1], is_transpose=True)
-        col = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.sbuf)         # [128, n/128]
-        nisa.tensor_copy(dst=col, src=ps, engine=nisa.engine.scalar)
-        cols.append(col)
-    q.ws = (cols[0][:, 0:KI], cols[0][:, KI:2 * KI], cols[1])
+    cg, cd = _columns(row_gu, 2 * I, ident_f), _columns(row_d, H, ident_f)
+    q.ws = (cg[:, 0:KI], cg[:, KI:2 * KI], cd)
+
+
+def _columns(row, n, ident_f):
+    """A row ``[1, n]`` (SBUF fp32, n a multiple of 128) -> ``[128, n/128]``, element
+    ``c * 128 + p`` at ``[p, c]`` (K=1 PE transposes, one ScalarE eviction)."""
+    ps = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.psum)              # [128, n/128]
+    for j in range(n // P):
+        nisa.nc_matmul(dst=ps[:, j:j + 1], stationary=row[0:1, j * P:(j + 1) * P],
+                       moving=ident_f[0:1, 0:1], is_transpose=True)
+    col = nl.ndarray((P, n // P), dtype=nl.float32, buffer=nl.sbuf)             # [128, n/128]
+    nisa.tensor_copy(dst=col, src=ps, engine=nisa.engine.scalar)
+    return col
 
 
 def _row_broadcast(src_row, n, ones):
@@ -508,15 +532,17 @@ def _row_broadcast(src_row, n, ones):
     return out
 
 
-def _x_mx(subs, tb, H, ident, x4):
+def _x_mx(subs, tb, H, ident, x4, out=None):
     """Token rows ``[(s0, ts, x_sb [ts, H] bf16)]`` -> MX activations for ``nc_matmul_mx``:
     ``xq [128, KT, tb]`` x4 (chunk c, partition p, lane q = ``x[t, 512c + 4p + q]``, the MX tile
     layout of the gate/up weight) and their E8M0 scales ``xs [128, SL, tb]`` (quadrant slots).
     Per chunk and sub-tile: four PE transposes of the columns ``q::4``, one interleaving
-    eviction, one ``quantize_mx`` (blocks of 32 consecutive hidden values of a token)."""
+    eviction, one ``quantize_mx`` (blocks of 32 consecutive hidden values of a token).
+    ``out``: the (xq, xs) tiles to write instead of new ones."""
     KT = cdiv(H, CHUNK)
-    xq = nl.ndarray((P, KT, tb), dtype=x4, buffer=nl.sbuf)                      # [128, KT, tb]
-    xs = nl.ndarray((P, cdiv(KT, 4), tb), dtype=nl.uint8, buffer=nl.sbuf)       # [128, SL, tb]
+    xq, xs = out if out is not None else (
+        nl.ndarray((P, KT, tb), dtype=x4, buffer=nl.sbuf),                      # [128, KT, tb]
+        nl.ndarray((P, cdiv(KT, 4), tb), dtype=nl.uint8, buffer=nl.sbuf))       # [128, SL, tb]
     n = 0
     for s0, ts, x_sb in subs:
         for c in range(KT):
@@ -765,7 +791,9 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
             sh_gu, sh_d = sh_gu.view(mx), sh_d.view(mx)
     else:
         _x_quantize(rows, q, all_steps=True)
-        xT, A = _x_block(rows, T, H, None, ident, ident_f, q, w_gu.dtype)
+        a_row = nl.ndarray((1, T), dtype=nl.float32, buffer=nl.sbuf) if fp8 else None  # [1, T]
+        xT, A = _x_block(rows, T, H, None, ident, ident_f, q, w_gu.dtype, a_row)
+        A = (A, a_row) if fp8 else None
     yacc = nl.ndarray((P, KT, T), dtype=nl.float32, buffer=nl.sbuf)                # [128, KT, T]
     nisa.memset(dst=yacc, value=0.0)
     ev = [0]
@@ -820,7 +848,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
         nisa.dma_copy(dst=meta, src=comb[nl.ds(s, 1), :])
         if fp8:
             _scale_cols(q, meta[:, T:T + 2 * I], meta[:, T + 2 * I:T + 2 * I + H], I, H, ident_f)
-        wrow = _row_broadcast(meta[:, 0:T], T, ones)                            # [128, T]
+        wrow = meta[:, 0:T] if fp8 else _row_broadcast(meta[:, 0:T], T, ones)  # [1 | 128, T]
         _expert_step(xT, A, T, H, I, wgu, wd, wrow, q, plan, tiled, sink)
 
     nl.fori_loop(0, n_reg, body)
@@ -865,7 +893,8 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
       NBb tail-block slots of tt tokens (the ``_b`` arrays None: no tail blocks).
     Args:
       x: [T, H] bf16 HBM; weights and scales as in ``fused_moe_decode_kernel``.
-      be_*: [1, NB] int32 expert of each block; n_*: [1, 1] int32 blocks used.
+      be_*: [1, NB] int32 expert of each block; n_*: [1, 2] int32 (blocks used n, and
+        max(n - 1, 0): the pipelined loop's iterations).
       gi_*, si_*: [NB, tb] int32 token rows to gather / to scatter-add to (T = padding, skipped).
       bw_*: [NB, tb] fp32 routing weight of each row (0 for padding).
       plan_a, plan_b: (combined, nf_gu, nf_d, kb_gu, kb_d, fused) of each block size.
@@ -877,12 +906,15 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
       (``dma_compute``, fp32 in the DMA engines): the weighted sum is accumulated in fp32.
     Pseudocode:
       y32 = shared(x) or 0                                    # fp32 HBM
-      for (blocks, tb) in (full blocks, tb), (tail blocks, tt):
-        fori b in [0, n_blocks):                              # hardware loop, runtime count
-          e = register(blk_expert[b])
-          rows = x[gidx[b]]                                   # indirect DMA gather, 128 per tile
-          xT = transpose(rows); hT = bw[b] * silu(Wg[e].T @ xT) * (Wu[e].T @ xT)
-          y32[sidx[b]] += transpose(Wd[e].T @ hT)             # indirect DMA scatter-add
+      for (blocks, tb) in (full blocks, tb), (tail blocks, tt):   # _PrefillPipe's stages:
+        front(b):   rows = x[gidx[b]]; xT = transpose(rows)   # indirect DMA gather
+        gate_up(b): G, U = Wg[e_b].T @ xT, Wu[e_b].T @ xT     # e_b = register(blk_expert[b])
+        rest(b):    hT = silu(G) * U (MX: * bw[b])
+        down(b):    y32[sidx[b]] += bw[b] * transpose(Wd[e_b].T @ hT)   # scatter-add
+        front(0); gate_up(0); front(1); rest(0)
+        fori j in [0, n_blocks - 1):                          # hardware loop, runtime count
+          gate_up(j+1); front(j+2); down(j); rest(j+1)
+        down(n_blocks - 1)
       y = bf16(y32)
     """
     T, H = x.shape
@@ -896,8 +928,6 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
     y32 = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.hbm)
     ident = D.identity(nl.bfloat16)
     ident_f = D.identity(nl.float32)
-    ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)                 # [1, 128]
-    nisa.memset(dst=ones, value=1.0)
     q = _Fp8(w_gu.dtype, None, None) if fp8 else None
     d_widths = [t[1] for t in D.feature_tiles([(0, H, 0)])]
     loops = []
@@ -908,7 +938,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         NB = be.shape[1]
         be_sb = nl.ndarray((1, NB), dtype=nl.int32, buffer=nl.sbuf)            # [1, NB]
         nisa.dma_copy(dst=be_sb, src=be)
-        n_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)              # [1, 1]
+        n_sb = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)              # [1, 2]
         nisa.dma_copy(dst=n_sb, src=nbk)
         loops.append((be_sb, n_sb, gidx, sidx, bw, MoEPlan("prefill", gidx.shape[1], *pl)))
 
@@ -922,9 +952,11 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         for t0, tbs in D.token_blocks(T, loops[0][5].tb):
             rows = D.x_rows_normalised(x, t0, tbs)
 
-            def put(acc, j0, widths, B, t0=t0, tbs=tbs):
-                yT = _evicted(acc, j0, widths, tbs, q, B)
-                _store_rows(y32, ident_f, yT, t0, tbs, d_widths[:j0], widths, None)
+            cols = []
+
+            def put(acc, j0, widths, B, t0=t0, tbs=tbs, cols=cols):
+                yT, tc = _evicted_rows(acc, j0, widths, tbs, q, B, ident_f, cols)
+                _store_rows(y32, ident_f, yT, t0, tbs, d_widths[:j0], widths, None, tc)
 
             if mx is not None:
                 xq, xs = _x_mx(rows, tbs, H, ident, mx)
@@ -933,8 +965,10 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
                 continue
             sp = plan_tiles("prefill", tbs, H, Is, 1 if fp8 else 2, tiled)
             _x_quantize(rows, q, all_steps=True)
-            xT, A = _x_block(rows, tbs, H, None, ident, ident_f, q, w_gu.dtype)
-            _expert_step(xT, A, tbs, H, Is, sh_gu, sh_d, None, q, sp, tiled, put)
+            a_row = nl.ndarray((1, tbs), dtype=nl.float32, buffer=nl.sbuf) if fp8 else None
+            xT, A = _x_block(rows, tbs, H, None, ident, ident_f, q, w_gu.dtype, a_row)
+            A = (A, a_row) if fp8 else None
+            _expert_step(xT, A, tbs, H, Is, sh_gu, sh_d, None, q, sp, tiled, put, fp8)
     else:
         zero = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf)             # [128, H]
         nisa.memset(dst=zero, value=0.0)
@@ -943,49 +977,316 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
             nisa.dma_copy(dst=y32[r0:r0 + rn, :], src=zero[0:rn, :])
 
     for be_sb, n_sb, gidx, sidx, bw, plan in loops:
-        tb = plan.tb
+        # the pipelined loop: prologue, n - 1 iterations, the last block's down stage
+        pipe = _PrefillPipe(x, w_gu, w_d, I, be_sb, gidx, sidx, bw, s_gu, s_d, q, plan, tiled,
+                            y32, ident, ident_f, d_widths, mx)
+        pipe.front(0, 0)
+        parts = pipe.gate_up(0, 0)
+        pipe.front(1, 0)
+        pipe.rest(0, 0, *parts)
 
-        def body(b, be_sb=be_sb, gidx=gidx, sidx=sidx, bw=bw, plan=plan, tb=tb):
-            e = nisa.register_alloc()
-            nisa.register_load(dst=e, src=be_sb[0:1, nl.ds(b, 1)])
-            if mx is None:
-                wgu, wd = _expert_views(w_gu, w_d, e)
-            if fp8:
-                _load_scales(q, s_gu, s_d, e, I, H, ident_f)
-            subs, sis = [], []
-            for s0 in range(0, tb, P):
-                ts = min(P, tb - s0)
-                gi = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)          # [ts, 1]
-                nisa.dma_copy(dst=gi, src=gidx[nl.ds(b, 1), s0:s0 + ts])
-                si = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)          # [ts, 1]
-                nisa.dma_copy(dst=si, src=sidx[nl.ds(b, 1), s0:s0 + ts])
-                x_sb = nl.ndarray((ts, H), dtype=x.dtype, buffer=nl.sbuf)         # [ts, H]
-                nisa.dma_copy(dst=x_sb, src=x.ap([[H, ts], [1, H]], offset=0, vector_offset=gi,
-                                                 indirect_dim=0))
-                subs.append((s0, ts, x_sb))
-                sis.append(si)
-            wrow = _row_broadcast(bw[nl.ds(b, 1), :], tb, ones)                  # [128, tb]
+        def step(j, pipe=pipe):
+            parts = pipe.gate_up(1, j)
+            pipe.front(2, j)
+            pipe.down(0, j)
+            pipe.rest(1, j, *parts)
 
-            def scatter(acc, j0, widths, B):
-                yT = _evicted(acc, j0, widths, tb, q, B)
-                _store_rows(y32, ident_f, yT, 0, tb, d_widths[:j0], widths, sis)
-
-            if mx is not None:
-                xq, xs = _x_mx(subs, tb, H, ident, mx)
-                _expert_step_mx(xq, xs, tb, H, I, *_mx_views(w_gu, s_gu, w_d, s_d, e), wrow,
-                                plan, mx, scatter)
-                return
-            _x_quantize(subs, q, all_steps=True)
-            xT, A = _x_block(subs, tb, H, None, ident, ident_f, q, w_gu.dtype)
-            _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, scatter)
-
-        n_reg = nisa.register_alloc()
-        nisa.register_load(dst=n_reg, src=n_sb)
-        nl.fori_loop(0, n_reg, body)
+        m_reg = nisa.register_alloc()
+        nisa.register_load(dst=m_reg, src=n_sb[0:1, 1:2])
+        nl.fori_loop(0, m_reg, step)
+        pipe.down(0, m_reg)
     for r0 in range(0, T, P):          # fp32 accumulator -> bf16 output (DMA casts)
         rn = min(P, T - r0)
         nisa.dma_copy(dst=y[r0:r0 + rn, :], src=y32[r0:r0 + rn, :])
     return y
+
+
+class _PrefillPipe:
+    """The prefill's block loop (bf16 and FP8 weights), software-pipelined by one block.
+
+    Stages of block b: ``front`` (gather its token rows, quantize them (FP8), PE-transpose them
+    into the carried ``xT``), ``gate_up`` (the gate/up GEMM passes, each pass's PSUM drained at
+    once: FP8 ``g * a_t`` on VectorE and ``u * channel scale`` on ScalarE; bf16 silu(g) on
+    ScalarE and ``silu(g) * u`` on VectorE), ``rest`` (FP8: silu, h, |h|max per token and the
+    scales on SBUF; both: h into the carried ``h``, the token's output scale into the carried
+    row ``B``) and ``down`` (FP8: quantize the carried h; the down GEMM passes, evictions with
+    the channel scale, transposes to token rows scaled by ``B``, scatter-add).
+
+    Iteration b issues gate_up(b), front(b+1), down(b-1), rest(b). Each engine runs its queue in
+    order, so TensorE goes on to front(b+1)'s transposes, down(b-1) and gate_up(b+1) while
+    VectorE / ScalarE / GpSimd run rest(b), instead of waiting for it as a block-serial body
+    does. gate_up(b)'s PSUM is drained ahead of front(b+1) on the engines that run both, so
+    down(b-1) and gate_up(b+1) do not share PSUM with it in time. The routing weight and (FP8)
+    the token's x scale are not multiplied into h: the down projection is linear per token and
+    FP8 quantizes h per token, so both go into ``B``.
+
+    A hardware loop's body is traced once and cannot hand its own tiles to the next iteration:
+    the carried tiles (``xT``, ``A``, ``a_row``, ``h``, ``B``, ``inv``) are allocated here,
+    outside it. Slots: ``k`` shifts the plan arrays by k blocks, ``j`` is the loop index (or
+    0, or a register).
+    """
+
+    def __init__(self, x, w_gu, w_d, I, be_sb, gidx, sidx, bw, s_gu, s_d, q, plan, tiled, y32,
+                 ident, ident_f, d_widths, mx=None):
+        self.x, self.w_gu, self.w_d, self.be_sb = x, w_gu, w_d, be_sb
+        self.gidx, self.sidx, self.bw, self.s_gu, self.s_d = gidx, sidx, bw, s_gu, s_d
+        self.q, self.plan, self.tiled, self.y32 = q, plan, tiled, y32
+        self.ident, self.ident_f, self.d_widths, self.mx = ident, ident_f, d_widths, mx
+        H = x.shape[1]
+        self.H, self.I = H, I
+        self.KT, self.KI, self.tb = cdiv(H, P), cdiv(self.I, P), plan.tb
+        self.NB = be_sb.shape[1]
+        fp8 = q is not None
+        tb = self.tb
+        if mx is not None:     # MXFP8: the carried activations are quantized
+            KTh, KC = cdiv(H, CHUNK), len(down_chunks(self.I))
+            self.xq = nl.ndarray((P, KTh, tb), dtype=mx, buffer=nl.sbuf)        # [128, KTh, tb]
+            self.xs = nl.ndarray((P, cdiv(KTh, 4), tb), dtype=nl.uint8,
+                                 buffer=nl.sbuf)                                 # [128, SL, tb]
+            self.hq = nl.ndarray((P, KC, tb), dtype=mx, buffer=nl.sbuf)         # [128, KC, tb]
+            self.hs = nl.ndarray((P, cdiv(KC, 4), tb), dtype=nl.uint8,
+                                 buffer=nl.sbuf)                                 # [128, SL, tb]
+            self.ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)    # [1, 128]
+            nisa.memset(dst=self.ones, value=1.0)
+            return
+        KTe = self.KT + (self.KT % 2 if fp8 else 0)
+        self.xT = nl.ndarray((P, KTe, tb), dtype=w_gu.dtype if fp8 else x.dtype,
+                             buffer=nl.sbuf)                                     # [128, KTe, tb]
+        self.h = nl.ndarray((P, self.KI, tb), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, KI, tb]
+        self.B = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)          # [1, tb]
+        if fp8:
+            self.A = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)      # [128, tb]
+            self.a_row = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)  # [1, tb]
+            self.inv = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)    # [1, tb]
+
+    def _expert(self, k, j):
+        e = nisa.register_alloc()
+        nisa.register_load(dst=e, src=self.be_sb[0:1, k:self.NB][0:1, nl.ds(j, 1)])
+        return e
+
+    def _row(self, a, k, j):
+        """Row ``j + k`` of the plan array ``a [NB, tb]`` (HBM view ``[1, tb]``)."""
+        return a[k:self.NB, :][nl.ds(j, 1), :]
+
+    def front(self, k, j):
+        x, H, tb, q = self.x, self.H, self.tb, self.q
+        gi_row = self._row(self.gidx, k, j)
+        subs = []
+        for s0 in range(0, tb, P):
+            ts = min(P, tb - s0)
+            gi = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)              # [ts, 1]
+            nisa.dma_copy(dst=gi, src=gi_row[:, s0:s0 + ts])
+            x_sb = nl.ndarray((ts, H), dtype=x.dtype, buffer=nl.sbuf)             # [ts, H]
+            nisa.dma_copy(dst=x_sb, src=x.ap([[H, ts], [1, H]], offset=0, vector_offset=gi,
+                                             indirect_dim=0))
+            subs.append((s0, ts, x_sb))
+        if self.mx is not None:
+            _x_mx(subs, tb, H, self.ident, self.mx, out=(self.xq, self.xs))
+            return
+        if q is None:
+            D.x_transposed(subs, tb, H, None, self.ident, out=self.xT)
+            return
+        _x_quantize(subs, q, all_steps=True)
+        q.row_scales(subs, tb, self.ident_f, out=self.A, row=self.a_row)
+        D.x_transposed([r[:3] for r in subs], tb, H, None, self.ident, self.w_gu.dtype, True,
+                       out=self.xT)
+
+    def gate_up(self, k, j):
+        """-> (drained passes [(i0, i1, a, b)], gate / up scale columns, the tokens' output
+        factor row: the routing weight, times the x scale for FP8)."""
+        I, H, tb, q, plan, tiled = self.I, self.H, self.tb, self.q, self.plan, self.tiled
+        KI = self.KI
+        fp8 = q is not None
+        e = self._expert(k, j)
+        wgu = self.w_gu.select(0, e)
+        Tp = D.acc_free(tb)
+        cg = None
+        # the routing weights into a tile of this iteration: a DMA into a carried tile would be
+        # ready only after that tile's last read, behind the weight loads already queued
+        factor = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)          # [1, tb]
+        nisa.dma_copy(dst=factor, src=self._row(self.bw, k, j))
+        if self.mx is not None:
+            return self._gate_up_mx(e, factor)
+        if fp8:
+            row = nl.ndarray((1, 2 * I), dtype=nl.float32, buffer=nl.sbuf)      # [1, 2I]
+            nisa.dma_copy(dst=row, src=self.s_gu[nl.ds(e, 1), :])
+            cg = _columns(row, 2 * I, self.ident_f)                             # [128, 2KI]
+            w, factor = factor, nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=factor, data1=self.a_row, data2=w, op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+        gu_tiles = D.feature_tiles([(0, I, 0)])
+        if plan.fused:
+            passes = [(0, KI)]
+        else:
+            passes = D.group_passes(gu_tiles, plan.nf_gu)
+            wg, wu = (wgu[0:KI], wgu[KI:2 * KI]) if tiled else (wgu[:, 0:I], wgu[:, I:2 * I])
+        parts = []
+        for i0, i1 in passes:
+            widths = [gu_tiles[i][1] for i in range(i0, i1)]
+            c0 = gu_tiles[i0][0]
+            nf = i1 - i0
+            if plan.fused:
+                acc = D.gemm_pass([wgu], self.xT, H, tb, Tp, widths + widths, 0, plan.kb_gu,
+                                  fp8, tiled=tiled)[0]                           # [128, 2KI, Tp]
+                acc_g, acc_u = acc[:, 0:nf, :], acc[:, nf:2 * nf, :]
+                del acc
+            elif plan.combined:
+                acc_g, acc_u = D.gemm_pass([wg, wu], self.xT, H, tb, Tp, widths, c0,
+                                           plan.kb_gu, fp8, tiled=tiled)
+            else:
+                acc_g = D.gemm_pass([wg], self.xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
+                                    tiled=tiled)[0]
+            if fp8:
+                ga = nl.ndarray((P, nf, tb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nf, tb]
+                nisa.tensor_tensor(dst=ga, data1=acc_g[:, :, 0:tb],
+                                   data2=self.A.expand_dim(1).broadcast(1, nf), op=nl.multiply)
+            else:
+                ga = _silu_evict(acc_g, widths, tb, None, None, i0)             # [128, nf, tb]
+            del acc_g
+            if not (plan.fused or plan.combined):
+                acc_u = D.gemm_pass([wu], self.xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
+                                    tiled=tiled)[0]
+            if fp8:
+                u = nl.ndarray((P, nf, tb), dtype=nl.float32, buffer=nl.sbuf)   # [128, nf, tb]
+                for f in range(nf):
+                    nisa.activation(dst=u[:, f, :], op=nl.copy, data=acc_u[:, f, 0:tb],
+                                    scale=cg[:, KI + i0 + f:KI + i0 + f + 1])
+                parts.append((i0, i1, ga, u))
+            else:
+                hp = nl.ndarray((P, nf, tb), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, nf, tb]
+                _gate_evict(hp, ga, acc_u, widths, tb, None, i0, 0)
+                parts.append((i0, i1, hp, None))
+            del acc_u
+        return parts, cg, factor
+
+    def _gate_up_mx(self, e, factor):
+        """MXFP8 gate/up passes as ``_expert_step_mx``'s, ``w * silu(g) * u`` into a bf16 tile
+        of this iteration (quantized by ``rest``). The routing weight goes into h here, as in
+        the reference: MX scales are powers of two shared by 32 values, so unlike FP8's
+        per-token scale they do not absorb a per-token factor exactly."""
+        I, H, tb, plan, x4 = self.I, self.H, self.tb, self.plan, self.mx
+        w_gu, s_gu, _, _ = _mx_views(self.w_gu, self.s_gu, self.w_d, self.s_d, e)
+        KTh, KC = cdiv(H, CHUNK), len(down_chunks(I))
+        Tp = D.acc_free(tb)
+        hT = nl.ndarray((P, 4 * KC, tb), dtype=nl.bfloat16, buffer=nl.sbuf)    # [128, 4KC, tb]
+        units = _gu_units(I)
+        if len(units) < 4 * KC:     # the empty lane of a 384-row tail (zero weight rows)
+            nisa.memset(dst=hT[:, len(units):4 * KC, :], value=0.0)
+        wrow = _row_broadcast(factor, tb, self.ones)                            # [128, tb]
+        gs = None
+        for i0, i1 in D.group_passes(units, plan.nf_gu):
+            nf = i1 - i0
+            widths = [wu for _, wu in units[i0:i1]]
+            acc_g = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)    # [128, nf, Tp]
+            acc_u = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)    # [128, nf, Tp]
+            first = None
+            if gs is None:      # the first weight tile ahead of the scales (queue latency)
+                t0 = units[i0][0] // P
+                t1 = cdiv(units[i1 - 1][0] + units[i1 - 1][1], P)
+                first = _gu_tiles(w_gu, t0, min(t0 + plan.kb_gu, t1), H, x4)
+                gs = _mx_scales(s_gu, (2 * I // P, cdiv(KTh, 4), P))             # [128, 2I/128, SL, 128]
+            _gu_pass(w_gu, gs, 0, units[i0:i1], H, plan.kb_gu, self.xq, self.xs, acc_g, x4,
+                     first)
+            _gu_pass(w_gu, gs, I, units[i0:i1], H, plan.kb_gu, self.xq, self.xs, acc_u, x4)
+            sg = _silu_evict(acc_g, widths, tb, None, None, i0)                 # [128, nf, tb]
+            del acc_g
+            nisa.tensor_tensor(dst=sg, data1=sg, data2=wrow.expand_dim(1).broadcast(1, nf),
+                               op=nl.multiply, engine=nisa.engine.gpsimd)
+            _gate_evict(hT, sg, acc_u, widths, tb, None, i0, i0)
+            del acc_u, sg
+        return [hT], None, None
+
+    def rest(self, k, j, parts, cg, factor):
+        q, tb = self.q, self.tb
+        if self.mx is not None:    # h -> the carried MX operand of the down passes
+            (hT,) = parts
+            for c, (_, _, kp) in enumerate(down_chunks(self.I)):
+                nisa.quantize_mx(dst=self.hq[0:kp, c, :],
+                                 src=hT[0:kp, 4 * c:4 * c + 4, :].permute((0, 2, 1)),
+                                 dst_scale=self.hs[4 * (c % 4):P, c // 4, :])
+            return
+        if q is None:
+            for i0, i1, hp, _ in parts:
+                nisa.tensor_copy(dst=self.h[:, i0:i1, :], src=hp, engine=nisa.engine.gpsimd)
+            nisa.tensor_copy(dst=self.B, src=factor, engine=nisa.engine.gpsimd)
+            return
+        hmax = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)            # [128, tb]
+        for n, (i0, i1, ga, u) in enumerate(parts):
+            sg = nl.ndarray((P, i1 - i0, tb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nf, tb]
+            for f in range(i1 - i0):
+                nisa.activation(dst=sg[:, f, :], op=nl.silu, data=ga[:, f, :],
+                                scale=cg[:, i0 + f:i0 + f + 1])
+            nisa.tensor_tensor(dst=self.h[:, i0:i1, :], data1=sg, data2=u, op=nl.multiply,
+                               engine=nisa.engine.gpsimd)
+            q.track_max(hmax, self.h[:, i0:i1, :], tb, n == 0)
+        amax = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)             # [1, tb]
+        nisa.tensor_partition_reduce(dst=amax, op=nl.maximum, data=hmax)
+        q.scale_and_inverse(amax, tb, factor, out=(self.B, self.inv))
+
+    def down(self, k, j):
+        q, tb, I, H, plan = self.q, self.tb, self.I, self.H, self.plan
+        KI = self.KI
+        fp8 = q is not None
+        e = self._expert(k, j)
+        wd = self.w_d.select(0, e)
+        si_row = self._row(self.sidx, k, j)
+        sis = []
+        for s0 in range(0, tb, P):
+            ts = min(P, tb - s0)
+            si = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)              # [ts, 1]
+            nisa.dma_copy(dst=si, src=si_row[:, s0:s0 + ts])
+            sis.append(si)
+        if self.mx is not None:
+            self._down_mx(e, sis)
+            return
+        tcols = _token_cols(self.B, tb, self.ident_f)
+        hT, cd = self.h, None
+        if fp8:
+            row = nl.ndarray((1, H), dtype=nl.float32, buffer=nl.sbuf)          # [1, H]
+            nisa.dma_copy(dst=row, src=self.s_d[nl.ds(e, 1), :])
+            cd = _columns(row, H, self.ident_f)                                 # [128, KT]
+            Binv = q.broadcast(self.inv, tb)                                    # [128, tb]
+            KIe = KI + KI % 2
+            hT = nl.ndarray((P, KIe, tb), dtype=q.dtype, buffer=nl.sbuf)        # [128, KIe, tb]
+            if KIe > KI:
+                nisa.memset(dst=hT[:, KI:KIe, :], value=0.0)
+            half = (KI + 1) // 2       # VectorE and GpSimd quantize a half each
+            for a, b, eng in ((0, half, nisa.engine.vector), (half, KI, nisa.engine.gpsimd)):
+                if b > a:
+                    nisa.tensor_tensor(dst=hT[:, a:b, :], data1=self.h[:, a:b, :],
+                                       data2=Binv.expand_dim(1).broadcast(1, b - a),
+                                       op=nl.multiply, engine=eng)
+        d_tiles = D.feature_tiles([(0, H, 0)])
+        Tp = D.acc_free(tb)
+        ev = [0]
+        for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
+            widths = [d_tiles[i][1] for i in range(j0, j1)]
+            acc = D.gemm_pass([wd], hT, I, tb, Tp, widths, d_tiles[j0][0], plan.kb_d, fp8,
+                              tiled=self.tiled)[0]
+            if fp8:
+                yT = _evict_scaled(acc, widths, tb, cd[:, j0:j1])
+            else:
+                yT = _evicted(acc, j0, widths, tb, None, None, ev)
+            del acc
+            _store_rows(self.y32, self.ident_f, yT, 0, tb, self.d_widths[:j0], widths, sis,
+                        tcols)
+
+    def _down_mx(self, e, sis):
+        H, tb, plan = self.H, self.tb, self.plan
+        _, _, w_d, s_d = _mx_views(self.w_gu, self.s_gu, self.w_d, self.s_d, e)
+        chunks = down_chunks(self.I)
+        ds = _mx_scales(s_d, (cdiv(len(chunks), 4), H))                          # [128, SL, H]
+        d_tiles = D.feature_tiles([(0, H, 0)])
+        Tp = D.acc_free(tb)
+        ev = [0]
+        for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
+            widths = [d_tiles[i][1] for i in range(j0, j1)]
+            acc = nl.ndarray((P, j1 - j0, Tp), dtype=nl.float32, buffer=nl.psum)  # [128, nf, Tp]
+            _down_pass(w_d, ds, chunks, j0, j1 - j0, plan.kb_d, self.hq, self.hs, acc, self.mx)
+            yT = _evicted(acc, j0, widths, tb, None, None, ev)
+            del acc
+            _store_rows(self.y32, self.ident_f, yT, 0, tb, self.d_widths[:j0], widths, sis)
+
 
 
 def _kernel_width(w_gu, H, tiled, mx):
@@ -1002,11 +1303,54 @@ def _evicted(acc, j0, widths, tb, q, B, ev=None):
     return yT
 
 
-def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis):
+def _evicted_rows(acc, j0, widths, tb, q, B, ident_f, cols):
+    """The row epilogue's eviction: bf16 as ``_evicted``; FP8 (``B`` the token-scale row
+    ``[1, tb]``) only the channel scale (``_evict_scaled``), and the token scale as one column
+    per 128-token sub-tile (made once into ``cols``), applied after the transposes by
+    ``_store_rows``. Returns (yT, cols or None)."""
+    if q is None:
+        return _evicted(acc, j0, widths, tb, q, B), None
+    if not cols:
+        cols.extend(_token_cols(B, tb, ident_f))
+    return _evict_scaled(acc, widths, tb, q.ws[2][:, j0:j0 + len(widths)]), cols
+
+
+def _token_cols(row, tb, ident_f):
+    """A token row ``[1, tb]`` (SBUF fp32) -> one column ``[ts, 1]`` per 128-token sub-tile
+    (K=1 PE transposes): per-partition scalars once the tokens are on partitions."""
+    cols = []
+    for s0 in range(0, tb, P):
+        ts = min(P, tb - s0)
+        ps = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.psum)              # [ts, 1]
+        nisa.nc_matmul(dst=ps, stationary=row[0:1, s0:s0 + ts], moving=ident_f[0:1, 0:1],
+                       is_transpose=True)
+        col = nl.ndarray((ts, 1), dtype=nl.float32, buffer=nl.sbuf)             # [ts, 1]
+        nisa.tensor_copy(dst=col, src=ps, engine=nisa.engine.scalar)
+        cols.append(col)
+    return cols
+
+
+def _evict_scaled(acc, widths, tb, c):
+    """Down accumulators ``[128, nf, >=tb]`` PSUM -> fp32 SBUF ``[128, nf, tb]`` times the
+    channel-scale columns ``c [128, nf]`` (per-partition scalars: ScalarE and VectorE
+    alternate)."""
+    yT = nl.ndarray((P, len(widths), tb), dtype=nl.float32, buffer=nl.sbuf)   # [128, nf, tb]
+    for f, nn in enumerate(widths):
+        sc = c[0:nn, f:f + 1]
+        if f % 2:
+            nisa.activation(dst=yT[0:nn, f, :], op=nl.copy, data=acc[0:nn, f, 0:tb], scale=sc)
+        else:
+            nisa.tensor_scalar(dst=yT[0:nn, f, :], data=acc[0:nn, f, 0:tb], op0=nl.multiply,
+                               operand0=sc)
+    return yT
+
+
+def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None):
     """``yT [features, tokens]`` -> rows of the fp32 accumulator ``y32`` at columns
     ``[sum(before), + sum(widths))``: fp32 PE transposes (4 feature tiles per PSUM bank), then a
     plain store (``sis`` None: rows t0...) or a scatter-add to the rows ``sis[sub-tile]``
-    (indirect DMA read-modify-write, padding rows out of bounds and skipped)."""
+    (indirect DMA read-modify-write, padding rows out of bounds and skipped). ``tcols``: one
+    per-token scale column ``[ts, 1]`` per sub-tile, applied on the PSUM eviction."""
     H = y32.shape[1]
     c0 = sum(before)
     ncols = sum(widths)
@@ -1018,11 +1362,22 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis):
             g1 = min(len(widths), g0 + 4)
             gw = sum(widths[g0:g1])
             tp = D.transposed_group(yT, ident_f, widths, g0, g1, s0, ts)         # [ts, gw]
-            eng = nisa.engine.scalar if (g0 // 4) % 2 else nisa.engine.vector
-            nisa.tensor_copy(dst=y_sb[:, col:col + gw], src=tp, engine=eng)
+            on_act = (g0 // 4) % 2
+            if tcols is None:
+                nisa.tensor_copy(dst=y_sb[:, col:col + gw], src=tp,
+                                 engine=nisa.engine.scalar if on_act else nisa.engine.vector)
+            elif on_act:
+                nisa.activation(dst=y_sb[:, col:col + gw], op=nl.copy, data=tp, scale=tcols[n])
+            else:
+                nisa.tensor_scalar(dst=y_sb[:, col:col + gw], data=tp, op0=nl.multiply,
+                                   operand0=tcols[n])
             col += gw
-        if sis is None:
-            nisa.dma_copy(dst=y32[t0 + s0:t0 + s0 + ts, c0:c0 + ncols], src=y_sb)
+        if sis is None:    # the shared expert's rows: hardware DGE from Sync, a DMA ring of
+            # its own (a ring is tied to the trigger engine and descriptor method, NKI DMA
+            # guide), so they do not queue behind the routed experts' weight loads, and the
+            # first scatter-add (which waits for them) does not either
+            nisa.dma_copy(dst=y32[t0 + s0:t0 + s0 + ts, c0:c0 + ncols], src=y_sb,
+                          dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
         else:
             dst = y32.ap([[H, ts], [1, ncols]], offset=c0, vector_offset=sis[n], indirect_dim=0)
             nisa.dma_compute(dst=dst, srcs=[dst, y_sb], reduce_op=nl.add,
