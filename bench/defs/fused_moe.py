@@ -133,7 +133,18 @@ def moe_case(s: shapes.MoEShape, dtype: str = "bf16") -> BenchCase:
         return fused_moe(x, wgu, wd, w, ids, **kw)
 
     def check(inputs, y):
-        if fp8:
+        if fp8:     # W8A8: the reference quantizes x and h per token as the kernel does
+            x, w_, ids_, wgu, wd, *rest = inputs
+            n = 2 if Is else 0
+            shared, scales = rest[:n], rest[n:]
+            rows = check_rows(T)
+            ref = fused_moe_ref(x[rows], wgu, wd, w_[rows], ids_[rows],
+                                shared=tuple(shared) if shared else None,
+                                gate_up_scale=scales[0], down_scale=scales[1],
+                                shared_scales=(scales[2], scales[3]) if Is else None,
+                                act_dtype=wgu.dtype)
+            cs = cosine_similarity(np.asarray(y, np.float32)[rows], ref.astype(np.float32))
+            assert cs > 0.999, f"fused_moe {s.name} (FP8): cosine similarity {cs:.6f}"
             return
         if mx:
             x, w_, ids_, wgu, wd, *shared = inputs

@@ -1001,6 +1001,14 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
     return y
 
 
+def _index_col(row, s0, ts):
+    """Token indices ``row[0, s0:s0+ts]`` of a plan row (HBM ``[1, tb]``) -> an int32 column
+    ``[ts, 1]``, one per partition: the vector offset of a gather or scatter-add."""
+    col = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)                  # [ts, 1]
+    nisa.dma_copy(dst=col, src=row[:, s0:s0 + ts])
+    return col
+
+
 class _PrefillPipe:
     """The prefill's block loop (bf16 and FP8 weights), software-pipelined by one block.
 
@@ -1074,8 +1082,7 @@ class _PrefillPipe:
         subs = []
         for s0 in range(0, tb, P):
             ts = min(P, tb - s0)
-            gi = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)              # [ts, 1]
-            nisa.dma_copy(dst=gi, src=gi_row[:, s0:s0 + ts])
+            gi = _index_col(gi_row, s0, ts)                                     # [ts, 1]
             x_sb = nl.ndarray((ts, H), dtype=x.dtype, buffer=nl.sbuf)             # [ts, H]
             nisa.dma_copy(dst=x_sb, src=x.ap([[H, ts], [1, H]], offset=0, vector_offset=gi,
                                              indirect_dim=0))
@@ -1230,12 +1237,7 @@ class _PrefillPipe:
         e = self._expert(k, j)
         wd = self.w_d.select(0, e)
         si_row = self._row(self.sidx, k, j)
-        sis = []
-        for s0 in range(0, tb, P):
-            ts = min(P, tb - s0)
-            si = nl.ndarray((ts, 1), dtype=nl.int32, buffer=nl.sbuf)              # [ts, 1]
-            nisa.dma_copy(dst=si, src=si_row[:, s0:s0 + ts])
-            sis.append(si)
+        sis = [_index_col(si_row, s0, min(P, tb - s0)) for s0 in range(0, tb, P)]
         if self.mx is not None:
             self._down_mx(e, sis)
             return
