@@ -118,31 +118,27 @@ def moe_case(s: shapes.MoEShape, dtype: str = "bf16") -> BenchCase:
         return (x, w, ids, ws[0][0], ws[1][0], *[a[0][0] for a in ws[2:]],
                 ws[0][1], ws[1][1], *[a[1][0] for a in ws[2:]])
 
-    def run(x, w, ids, wgu, wd, *rest):
-        kw = {}
+    def extra_kw(rest):
+        """The inputs after the expert weights -> fused_moe's keyword arguments (the shared
+        expert; FP8: the scales)."""
+        n = (2 if Is else 0) if fp8 else len(rest)
+        shared, scales = rest[:n], rest[n:]
+        kw = dict(shared=tuple(shared)) if shared else {}
         if fp8:
-            n = 2 if Is else 0
-            shared, scales = rest[:n], rest[n:]
-            kw = dict(gate_up_scale=scales[0], down_scale=scales[1])
+            kw.update(gate_up_scale=scales[0], down_scale=scales[1])
             if Is:
                 kw.update(shared_scales=(scales[2], scales[3]))
-        else:
-            shared = rest
-        if shared:
-            kw["shared"] = tuple(shared)
-        return fused_moe(x, wgu, wd, w, ids, **kw)
+        return kw
+
+    def run(x, w, ids, wgu, wd, *rest):
+        return fused_moe(x, wgu, wd, w, ids, **extra_kw(rest))
 
     def check(inputs, y):
         if fp8:     # W8A8: the reference quantizes x and h per token as the kernel does
             x, w_, ids_, wgu, wd, *rest = inputs
-            n = 2 if Is else 0
-            shared, scales = rest[:n], rest[n:]
             rows = check_rows(T)
-            ref = fused_moe_ref(x[rows], wgu, wd, w_[rows], ids_[rows],
-                                shared=tuple(shared) if shared else None,
-                                gate_up_scale=scales[0], down_scale=scales[1],
-                                shared_scales=(scales[2], scales[3]) if Is else None,
-                                act_dtype=wgu.dtype)
+            ref = fused_moe_ref(x[rows], wgu, wd, w_[rows], ids_[rows], act_dtype=wgu.dtype,
+                                **extra_kw(rest))
             cs = cosine_similarity(np.asarray(y, np.float32)[rows], ref.astype(np.float32))
             assert cs > 0.999, f"fused_moe {s.name} (FP8): cosine similarity {cs:.6f}"
             return

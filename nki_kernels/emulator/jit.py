@@ -10,6 +10,7 @@ import enum
 import functools
 import inspect
 import os
+import threading
 import time
 import warnings
 
@@ -142,6 +143,7 @@ def _lnc_from_env():
 # concurrent launches, e.g. the ranks of ``collectives.run_ranks``): the suite runner's log
 # reports each test's share, separating the emulator's time from its harness's.
 EMULATED_SECONDS = [0.0]
+_EMULATED_LOCK = threading.Lock()      # ranks of run_ranks finish on their own threads
 
 
 def run_kernel(kernel: Kernel, args, kwargs):
@@ -152,7 +154,9 @@ def run_kernel(kernel: Kernel, args, kwargs):
     try:
         return _launch(kernel, args, kwargs)
     finally:
-        EMULATED_SECONDS[0] += time.perf_counter() - t0
+        dt_s = time.perf_counter() - t0
+        with _EMULATED_LOCK:
+            EMULATED_SECONDS[0] += dt_s
 
 
 def _launch(kernel: Kernel, args, kwargs):

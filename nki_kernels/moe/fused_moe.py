@@ -673,24 +673,33 @@ def _down_pass(w, ds, chunks, j0, nf, kb, hq, hs, acc, x4):
 
 def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink):
     """One expert in MXFP8 (Trn3) on the token columns of ``xq``/``xs`` (:func:`_x_mx`):
-    gate/up ``nc_matmul_mx`` passes (weight tiles stationary) over the output units of
-    :func:`_gu_units` -> ``hT = wrow * silu(g) * u`` bf16 ``[128, 4KC, tb]`` (unit 4c + q = lane
-    q of down chunk c) -> MX-quantized per chunk straight from hT (``quantize_mx`` over
-    ``[kp, tb, 4]``) -> down passes, each handed to ``sink(acc [128, nf, Tp] PSUM, j0, widths,
-    None)``."""
-    KTh = cdiv(H, CHUNK)
-    chunks = down_chunks(I)
-    KC = len(chunks)
-    Tp = D.acc_free(tb)
-    hT = nl.ndarray((P, 4 * KC, tb), dtype=nl.bfloat16, buffer=nl.sbuf)        # [128, 4KC, tb]
+    :func:`_mx_gate_up` -> :func:`_mx_quantize_h` -> :func:`_mx_down`, each down pass handed to
+    ``sink(acc [128, nf, Tp] PSUM, j0, widths, None)``."""
+    KC = len(down_chunks(I))
+    ds = []
     # DMA queues are FIFO with a few transfers in flight: the scale loads (short) go between
     # weight transfers (long), not in a row ahead of an expert's first weight bytes, where the
     # next transfer's setup latency would show (~0.8 us per expert, modeled)
-    gs = ds = None
+    hT = _mx_gate_up(xq, xs, tb, H, I, w_gu, s_gu, wrow, plan, x4,
+                     lambda: ds.append(_mx_scales(s_d, (cdiv(KC, 4), H))))      # [128, SL, H]
+    hq = nl.ndarray((P, KC, tb), dtype=x4, buffer=nl.sbuf)                      # [128, KC, tb]
+    hs = nl.ndarray((P, cdiv(KC, 4), tb), dtype=nl.uint8, buffer=nl.sbuf)       # [128, SL, tb]
+    _mx_quantize_h(hT, I, hq, hs)
+    del hT
+    _mx_down(w_d, ds[0], I, H, tb, plan, hq, hs, x4, sink)
 
-    def gate_up_scales():
-        return _mx_scales(s_gu, (2 * I // P, cdiv(KTh, 4), P))                  # [128, 2I/128, SL, 128]
 
+def _mx_gate_up(xq, xs, tb, H, I, w_gu, s_gu, wrow, plan, x4, after_first=None):
+    """MXFP8 gate/up ``nc_matmul_mx`` passes (weight tiles stationary) over the output units of
+    :func:`_gu_units` -> ``hT = wrow * silu(g) * u`` bf16 ``[128, 4KC, tb]`` (unit 4c + q = lane
+    q of down chunk c; ``wrow [128, tb]`` or None). The gate/up scales load after the first
+    weight tile, and ``after_first`` runs once the first pass's GEMMs are issued (a caller's
+    short loads then go between weight transfers)."""
+    KTh = cdiv(H, CHUNK)
+    KC = len(down_chunks(I))
+    Tp = D.acc_free(tb)
+    hT = nl.ndarray((P, 4 * KC, tb), dtype=nl.bfloat16, buffer=nl.sbuf)        # [128, 4KC, tb]
+    gs = None
     units = _gu_units(I)
     if len(units) < 4 * KC:     # the empty lane of a 384-row tail (zero weight rows)
         nisa.memset(dst=hT[:, len(units):4 * KC, :], value=0.0)
@@ -703,13 +712,14 @@ def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink
             t0 = units[i0][0] // P
             t1 = cdiv(units[i1 - 1][0] + units[i1 - 1][1], P)
             first = _gu_tiles(w_gu, t0, min(t0 + plan.kb_gu, t1), H, x4)
-            gs = gate_up_scales()
+            gs = _mx_scales(s_gu, (2 * I // P, cdiv(KTh, 4), P))                 # [128, 2I/128, SL, 128]
             _gu_pass(w_gu, gs, 0, units[i0:i1], H, plan.kb_gu, xq, xs, acc_g, x4, first)
         else:
             _gu_pass(w_gu, gs, 0, units[i0:i1], H, plan.kb_gu, xq, xs, acc_g, x4)
         _gu_pass(w_gu, gs, I, units[i0:i1], H, plan.kb_gu, xq, xs, acc_u, x4)
-        if ds is None:
-            ds = _mx_scales(s_d, (cdiv(KC, 4), H))                              # [128, SL, H]
+        if after_first is not None:
+            after_first()
+            after_first = None
         sg = _silu_evict(acc_g, widths, tb, None, None, i0)                     # [128, nf, tb]
         del acc_g
         if wrow is not None:   # the routing weight of each token (0: it did not choose it)
@@ -717,12 +727,22 @@ def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink
                                op=nl.multiply, engine=nisa.engine.gpsimd)
         _gate_evict(hT, sg, acc_u, widths, tb, None, i0, i0)
         del acc_u, sg
-    hq = nl.ndarray((P, KC, tb), dtype=x4, buffer=nl.sbuf)                      # [128, KC, tb]
-    hs = nl.ndarray((P, cdiv(KC, 4), tb), dtype=nl.uint8, buffer=nl.sbuf)       # [128, SL, tb]
-    for c, (_, _, kp) in enumerate(chunks):
+    return hT
+
+
+def _mx_quantize_h(hT, I, hq, hs):
+    """``hT`` (:func:`_mx_gate_up`) -> MX operand ``hq [128, KC, tb]`` x4 and its scales ``hs
+    [128, SL, tb]``, per down chunk straight from hT (``quantize_mx`` over ``[kp, tb, 4]``)."""
+    for c, (_, _, kp) in enumerate(down_chunks(I)):
         nisa.quantize_mx(dst=hq[0:kp, c, :], src=hT[0:kp, 4 * c:4 * c + 4, :].permute((0, 2, 1)),
                          dst_scale=hs[4 * (c % 4):P, c // 4, :])
-    del hT
+
+
+def _mx_down(w_d, ds, I, H, tb, plan, hq, hs, x4, sink):
+    """The down passes on ``hq``/``hs`` (down scales ``ds`` in SBUF), each handed to
+    ``sink(acc [128, nf, Tp] PSUM, j0, widths, None)``."""
+    chunks = down_chunks(I)
+    Tp = D.acc_free(tb)
     d_tiles = D.feature_tiles([(0, H, 0)])
     for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
         widths = [d_tiles[j][1] for j in range(j0, j1)]
@@ -1167,50 +1187,20 @@ class _PrefillPipe:
         return parts, cg, factor
 
     def _gate_up_mx(self, e, factor):
-        """MXFP8 gate/up passes as ``_expert_step_mx``'s, ``w * silu(g) * u`` into a bf16 tile
-        of this iteration (quantized by ``rest``). The routing weight goes into h here, as in
-        the reference: MX scales are powers of two shared by 32 values, so unlike FP8's
-        per-token scale they do not absorb a per-token factor exactly."""
-        I, H, tb, plan, x4 = self.I, self.H, self.tb, self.plan, self.mx
+        """MXFP8: :func:`_mx_gate_up` into a bf16 tile of this iteration (quantized by
+        ``rest``). The routing weight goes into h here, as in the reference: MX scales are
+        powers of two shared by 32 values, so unlike FP8's per-token scale they do not absorb
+        a per-token factor exactly."""
         w_gu, s_gu, _, _ = _mx_views(self.w_gu, self.s_gu, self.w_d, self.s_d, e)
-        KTh, KC = cdiv(H, CHUNK), len(down_chunks(I))
-        Tp = D.acc_free(tb)
-        hT = nl.ndarray((P, 4 * KC, tb), dtype=nl.bfloat16, buffer=nl.sbuf)    # [128, 4KC, tb]
-        units = _gu_units(I)
-        if len(units) < 4 * KC:     # the empty lane of a 384-row tail (zero weight rows)
-            nisa.memset(dst=hT[:, len(units):4 * KC, :], value=0.0)
-        wrow = _row_broadcast(factor, tb, self.ones)                            # [128, tb]
-        gs = None
-        for i0, i1 in D.group_passes(units, plan.nf_gu):
-            nf = i1 - i0
-            widths = [wu for _, wu in units[i0:i1]]
-            acc_g = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)    # [128, nf, Tp]
-            acc_u = nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum)    # [128, nf, Tp]
-            first = None
-            if gs is None:      # the first weight tile ahead of the scales (queue latency)
-                t0 = units[i0][0] // P
-                t1 = cdiv(units[i1 - 1][0] + units[i1 - 1][1], P)
-                first = _gu_tiles(w_gu, t0, min(t0 + plan.kb_gu, t1), H, x4)
-                gs = _mx_scales(s_gu, (2 * I // P, cdiv(KTh, 4), P))             # [128, 2I/128, SL, 128]
-            _gu_pass(w_gu, gs, 0, units[i0:i1], H, plan.kb_gu, self.xq, self.xs, acc_g, x4,
-                     first)
-            _gu_pass(w_gu, gs, I, units[i0:i1], H, plan.kb_gu, self.xq, self.xs, acc_u, x4)
-            sg = _silu_evict(acc_g, widths, tb, None, None, i0)                 # [128, nf, tb]
-            del acc_g
-            nisa.tensor_tensor(dst=sg, data1=sg, data2=wrow.expand_dim(1).broadcast(1, nf),
-                               op=nl.multiply, engine=nisa.engine.gpsimd)
-            _gate_evict(hT, sg, acc_u, widths, tb, None, i0, i0)
-            del acc_u, sg
+        wrow = _row_broadcast(factor, self.tb, self.ones)                       # [128, tb]
+        hT = _mx_gate_up(self.xq, self.xs, self.tb, self.H, self.I, w_gu, s_gu, wrow,
+                         self.plan, self.mx)
         return [hT], None, None
 
     def rest(self, k, j, parts, cg, factor):
         q, tb = self.q, self.tb
         if self.mx is not None:    # h -> the carried MX operand of the down passes
-            (hT,) = parts
-            for c, (_, _, kp) in enumerate(down_chunks(self.I)):
-                nisa.quantize_mx(dst=self.hq[0:kp, c, :],
-                                 src=hT[0:kp, 4 * c:4 * c + 4, :].permute((0, 2, 1)),
-                                 dst_scale=self.hs[4 * (c % 4):P, c // 4, :])
+            _mx_quantize_h(parts[0], self.I, self.hq, self.hs)
             return
         if q is None:
             for i0, i1, hp, _ in parts:
@@ -1274,21 +1264,16 @@ class _PrefillPipe:
                         tcols)
 
     def _down_mx(self, e, sis):
-        H, tb, plan = self.H, self.tb, self.plan
+        H, tb = self.H, self.tb
         _, _, w_d, s_d = _mx_views(self.w_gu, self.s_gu, self.w_d, self.s_d, e)
-        chunks = down_chunks(self.I)
-        ds = _mx_scales(s_d, (cdiv(len(chunks), 4), H))                          # [128, SL, H]
-        d_tiles = D.feature_tiles([(0, H, 0)])
-        Tp = D.acc_free(tb)
+        ds = _mx_scales(s_d, (cdiv(len(down_chunks(self.I)), 4), H))            # [128, SL, H]
         ev = [0]
-        for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
-            widths = [d_tiles[i][1] for i in range(j0, j1)]
-            acc = nl.ndarray((P, j1 - j0, Tp), dtype=nl.float32, buffer=nl.psum)  # [128, nf, Tp]
-            _down_pass(w_d, ds, chunks, j0, j1 - j0, plan.kb_d, self.hq, self.hs, acc, self.mx)
+
+        def sink(acc, j0, widths, _):
             yT = _evicted(acc, j0, widths, tb, None, None, ev)
-            del acc
             _store_rows(self.y32, self.ident_f, yT, 0, tb, self.d_widths[:j0], widths, sis)
 
+        _mx_down(w_d, ds, self.I, H, tb, self.plan, self.hq, self.hs, self.mx, sink)
 
 
 def _kernel_width(w_gu, H, tiled, mx):
