@@ -71,8 +71,10 @@ DEQ_AHEAD = 1         # per-token FP8: tile j + 1 is dequantized in the step tha
                       # us; 2 tiles ahead 174.5; after the step's matmuls 242.6)
 LAGS = (0, 2, 3, 4)   # pipeline lags of the stages K^T, QK^T + softmax, P^T, PV (in jobs)
 WEAVE = 3             # K^T transposes issued after each QK^T / PV matmul
-EVICT_ACT = (0.75, 0.6)   # share of the K^T / P^T PSUM evictions on ScalarE (the rest on
-                          # VectorE), row layout / packed layout
+EVICT_ACT = (0.7, 0.6)    # share of the K^T / P^T PSUM evictions on ScalarE (the rest on
+                          # VectorE), row layout / packed layout (modeled, DeepSeek-V3 H=128
+                          # L=32K Trn3, row share 0.6 / 0.65 / 0.7 / 0.75 / 0.8: 140.7 / 141.5 /
+                          # 140.3 / 142.1 / 144.0 us; Trn2 219.3 at 0.7, 220.2 at 0.75)
 C_LO, C_HI = 0, 1     # row table columns: first / last visible key of each query row
 NCOL = 2
 
@@ -195,18 +197,26 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_sca
     return out
 
 
-def _weave(a, b, ratio):
-    """Run generator ``b`` to its end with ``ratio`` steps of ``a`` after each of its steps
-    (``a`` is left where it stops; either may be None)."""
+def _steps(g, n):
+    """Advance generator ``g`` (or None) by up to ``n`` steps; None once it is exhausted."""
+    for _ in range(n):
+        if g is None or next(g, StopIteration) is StopIteration:
+            return None
+    return g
+
+
+def _weave(a, b, ratio, c=None):
+    """Run generator ``b`` to its end with one step of ``c`` and then ``ratio`` steps of ``a``
+    after each of its steps; ``c`` is then run to its end, ``a`` left where it stops (any may be
+    None; with ``b`` None and ``ratio`` 1, ``a`` is run to its end)."""
     if b is None:
-        if a is not None and ratio == 1:
-            for _ in a:
-                pass
-        return
-    for _ in b:
-        for _ in range(ratio):
-            if a is None or next(a, StopIteration) is StopIteration:
-                break
+        if ratio == 1:
+            _steps(a, 1 << 30)
+    else:
+        for _ in b:
+            c = _steps(c, 1)
+            a = _steps(a, ratio)
+    _steps(c, 1 << 30)
 
 
 class _Group:
@@ -252,6 +262,9 @@ class _Run:
         self.fp8 = kv.dtype not in (nl.bfloat16, nl.float16)
         # K^T straight from the FP8 tile, or (per-token scales, deq_cast) from its bf16 copy
         self.kt_fp8 = self.fp8 and not cfg.dequant
+        # background transposes (NC-v4): a transpose runs beside a matmul, so P^T is woven into
+        # the PV matmuls; before, P^T goes ahead of them
+        self.bg_transpose = nisa.get_nc_version() >= 4
         self.ks = kv_scale
         self.n_evict = 0
         self.n_deq = 0
@@ -317,14 +330,23 @@ class _Run:
             if 0 <= jd < len(jobs):
                 done = state.pop(jd)
                 gen_d = (self.stage_pv_packed if done.packed else self.stage_pv)(done)
-            # K^T transposes of tile j woven between the matmuls of QK^T (j-1) and PV (j-3): on
-            # Trn3 a transpose runs beside a matmul (background transposes)
+            # K^T transposes of tile j woven between the matmuls of QK^T (j-2) and PV (j-4), and
+            # on Trn3 the P^T transposes of job j-3 (one after each PV matmul, then K^T's): a
+            # transpose runs beside a matmul there (background transposes), and P^T issued
+            # as a block stalled the PV matmuls behind it (modeled, DeepSeek-V3 H=128 L=32K
+            # Trn3: 150.6 -> 142.6 us; on Trn2 it costs 0-8%, so P^T goes first there)
             _weave(gen_a, gen_b, WEAVE)
             jc = step - LAGS[2]
+            gen_c = None
             if 0 <= jc < len(jobs):
                 job = state[jc]
-                (self.stage_pT_packed if job.packed else self.stage_pT)(job)
-            _weave(gen_a, gen_d, WEAVE)
+                if job.packed:
+                    self.stage_pT_packed(job)
+                else:
+                    gen_c = self.stage_pT(job)
+                    if not self.bg_transpose:
+                        gen_c = _steps(gen_c, 1 << 30)
+            _weave(gen_a, gen_d, WEAVE, gen_c)
             _weave(gen_a, None, 1)
             if done is not None:
                 j, g = jobs[jd]
@@ -346,10 +368,14 @@ class _Run:
             width = rows
             if cfg.nslot > 1:                    # the rows repeated in every slot, zero padded
                 width = P
+            # the queries and the row table on a hardware-DGE ring: on the static ring they
+            # queued ahead of the first latent tiles (first QK^T matmul 0.5 us later, modeled)
             for s in range(cfg.nslot):
                 a = s * cfg.W
-                nisa.dma_copy(dst=q_sb[a:a + rows, 0:D_LATENT], src=qn[r0:r0 + rows, :])
-                nisa.dma_copy(dst=q_sb[a:a + rows, D_LATENT:D_QK], src=qr[r0:r0 + rows, :])
+                nisa.dma_copy(dst=q_sb[a:a + rows, 0:D_LATENT], src=qn[r0:r0 + rows, :],
+                              dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
+                nisa.dma_copy(dst=q_sb[a:a + rows, D_LATENT:D_QK], src=qr[r0:r0 + rows, :],
+                              dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
                 if cfg.nslot > 1 and rows < cfg.W:   # (disjoint from the loads: no wait)
                     nisa.memset(dst=q_sb[a + rows:a + cfg.W, :], value=0.0,
                                 engine=nisa.engine.gpsimd)
@@ -362,7 +388,8 @@ class _Run:
                 nisa.tensor_copy(dst=qT[0:dsz, dt, 0:width], src=tq[0:dsz, dt, 0:width],
                                  engine=nisa.engine.vector)
             rt = nl.ndarray((P, NCOL), dtype=nl.float32, buffer=nl.sbuf)          # [rows, 2]
-            nisa.dma_copy(dst=rt[0:rows, :], src=self.rowtab[it.b, g, 0:rows, :])
+            nisa.dma_copy(dst=rt[0:rows, :], src=self.rowtab[it.b, g, 0:rows, :],
+                          dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
             sm = SoftmaxState(rows, D_LATENT, 1.0, sum_in_o=False)
             psm = None
             if cfg.nslot > 1 and it.keys > self.lay.tile_keys:
@@ -523,7 +550,8 @@ class _Run:
         job.Pm = Pm
 
     def stage_pT(self, job):
-        """P^T: key p T + t on partition p of slice t (TensorE transposes, evicted to SBUF)."""
+        """P^T: key p T + t on partition p of slice t (TensorE transposes, evicted to SBUF);
+        yields between the transposes of a PSUM buffer."""
         T = self.lay.T
         npp, ncol, rows = job.npp, job.ncol, job.grp.rows
         pT = nl.ndarray((P, T, P), dtype=nl.bfloat16, buffer=nl.sbuf)             # [keys, T, rows]
@@ -534,6 +562,8 @@ class _Run:
             for t in range(t0, t1):
                 nisa.nc_transpose(dst=tp[0:npp, t - t0, 0:rows], data=pv[:, :, t],
                                   engine=nisa.engine.tensor)
+                if t < t1 - 1:
+                    yield
             self._evict(pT[0:npp, t0:t1, 0:rows], tp[0:npp, :, 0:rows])
         job.Pm = None
         job.pT = pT
@@ -626,8 +656,11 @@ _FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}
 # 156.1, (1, 0) 158.4; packed (0.6, 0.375) 147.5, (0.8, 0.25) 145.3, (0.9, 0.25) 150.4;
 # Trn2 row (0.75, 0.5) 249.4, (0.6, 0.625) 242.5, (0.5, 0.75) 236.7, (0.45, 0.75) 239.7,
 # (0.5, 0.875) 242.3; packed (0.6, 0.75) 223.2, (0.5, 0.75) 226.9, (0.6, 0.875) 234.0.
+# With P^T woven into PV on Trn3 (2026-11-28), H=128 per-tensor FP8 L=32K at (eviction share,
+# dequantization share): (0.6, 0.125) 143.6, (0.7, 0.125) 140.3, (0.75, 0.125) 142.4, (0.8, 0.125)
+# 144.4, (1, 0.125) 148.5, (0.7, 0) 143.5, (0.7, 0.25) 143.4.
 DEQ_ACT = {3: (0.75, 0.75), 4: (0.125, 0.25)}
-TOK_EVICT_ACT = {3: (0.5, 0.6), 4: (1.0, 0.8)}
+TOK_EVICT_ACT = {3: (0.5, 0.6), 4: (0.7, 0.8)}
 
 
 def _per_token(x) -> bool:
