@@ -529,14 +529,25 @@ class _Fp8:
         """bf16 pass tiles of h -> hq [128, KIe, tb] FP8 (zero pad tile for double_row) and the
         row-broadcast scales B [128, tb] (``row``: the row [1, tb] itself), times
         ``factor [1, tb]``: per-token factors left out of h, which per-token quantization
-        absorbs."""
+        absorbs (:meth:`h_scales`, then :meth:`quantize_parts`)."""
+        sc, inv = self.h_scales(hmax, tb, factor)
+        return self.quantize_parts(h_parts, sc, inv, KI, tb, row)
+
+    def h_scales(self, hmax, tb, factor=None):
+        """The tokens' |h|max over partitions ``hmax [128, tb]`` -> the rows (scale (times
+        ``factor``), inverse) ``[1, tb]`` (GpSimd's partition reduce, then VectorE)."""
         amax = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)         # [1, tb]
         nisa.tensor_partition_reduce(dst=amax, op=nl.maximum, data=hmax)
-        sc, inv = self.scale_and_inverse(amax, tb, factor)
-        B = sc if row else self.broadcast(sc, tb)
+        return self.scale_and_inverse(amax, tb, factor)
+
+    def quantize_parts(self, h_parts, sc, inv, KI, tb, row=False, out=None):
+        """h's pass tiles -> (hq, B) with the scale rows of :meth:`h_scales` (broadcast on
+        TensorE); ``out``: the tiles (hq, B) to write (not with ``row``)."""
+        B = sc if row else self.broadcast(sc, tb, None if out is None else out[1])
         Binv = self.broadcast(inv, tb)
         KIe = KI + KI % 2
-        hq = nl.ndarray((P, KIe, tb), dtype=self.dtype, buffer=nl.sbuf)      # [128, KIe, tb]
+        hq = nl.ndarray((P, KIe, tb), dtype=self.dtype, buffer=nl.sbuf) if out is None \
+            else out[0]                                                      # [128, KIe, tb]
         if KIe > KI:
             nisa.memset(dst=hq[:, KI:KIe, :], value=0.0)
         n = 0

@@ -152,16 +152,18 @@ def _combine(lids, w, n_local):
 
 
 def plan_decode_routing(lids, w, n_local, scales=None):
-    """Decode routing plan: (experts [1, S] int32, count [1, 1] int32, combine [S, T(+2I+H)]).
+    """Decode routing plan: (experts [1, S] int32, counts [1, 3] int32, combine [S, T(+2I+H)]).
 
     ``experts[0, :count]`` are the distinct chosen local experts in ascending order; row s of
     ``combine`` holds the weight of each token for expert ``experts[s]`` (0 if it did not choose
     it), followed, for FP8 (``scales`` = ([E, 2I], [E, H])), by that expert's scale rows, so an
     iteration loads its per-expert vectors in one descriptor (each small DMA in front of the
-    weight stream costs a ~1 us bubble on its queue). S = min(E, T*k) slots, so the shapes
-    depend on (T, k, E) only."""
+    weight stream costs a ~1 us bubble on its queue). S = max(2, min(E, T*k)) slots (the
+    pipelined loop's view of slots 1.. is never empty), so the shapes depend on (T, k, E) only.
+    counts: n = the number of distinct chosen experts, max(n - 1, 0) and min(n, 1) (the loop
+    counts of ``_decode_pipelined``)."""
     T, k = lids.shape
-    S = max(1, min(n_local, T * k))
+    S = max(2, min(n_local, T * k))
     c = _combine(lids, w, n_local)
     chosen = np.unique(lids[lids >= 0])
     experts = np.zeros((1, S), np.int32)
@@ -171,7 +173,8 @@ def plan_decode_routing(lids, w, n_local, scales=None):
     comb[:chosen.size, :T] = c[chosen]
     if scales is not None:
         comb[:chosen.size, T:] = np.concatenate([scales[0][chosen], scales[1][chosen]], axis=1)
-    return experts, np.array([[chosen.size]], np.int32), comb
+    n = chosen.size
+    return experts, np.array([[n, max(n - 1, 0), min(n, 1)]], np.int32), comb
 
 
 def split_expert(n, tb, tt):
@@ -394,21 +397,34 @@ def _sbuf_need_mx(tb, H, I, plan):
 
 # ---------------------------------------------------------------------------- kernel side
 def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink, row_scale=False):
-    """One expert on the token columns of ``xT [128, KT, tb]``: gate/up passes -> the weighted
-    intermediate ``hT [128, KI, tb]``, then the down passes, each handed to
-    ``sink(acc [128, nf, Tp] PSUM, j0, widths, B)``. ``A``: FP8, the tokens' x scales as the
-    pair (row broadcast ``[128, tb]``, row ``[1, tb]``); bf16, None.
+    """One expert: :func:`_gate_up_stage`, FP8's per-token quantization of h, then
+    :func:`_down_stage`."""
+    h = _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled)
+    B = None
+    if q is not None:
+        h_parts, hmax, factor = h
+        h, B = q.quantize_h(h_parts, hmax, cdiv(I, P), tb, factor, row_scale)
+    _down_stage(h, B, tb, H, I, wd, q, plan, tiled, sink)
+
+
+def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled):
+    """The gate/up half of an expert step on the token columns of ``xT [128, KT, tb]``: the
+    gate/up passes -> the weighted intermediate h. ``A``: FP8, the tokens' x scales as the pair
+    (row broadcast ``[128, tb]``, row ``[1, tb]``); bf16, None.
 
     ``wrow``: the per-token weights (None = 1); bf16: broadcast ``[128, tb]``, multiplied into
     h. FP8: the row ``[1, tb]``; h is quantized per token, so the token's weight and its x scale
     ``a_t`` stay out of h and go into the output's token scale B with h's own scale (one
-    ``[1, tb]`` product instead of two full passes over h). ``row_scale``: the sink gets B as
-    the row ``[1, tb]`` (for an epilogue that applies it after transposing to token rows).
+    ``[1, tb]`` product instead of two full passes over h).
 
     ``wgu`` is the expert's whole gate|up weight (``[H, 2I]`` or tile-major ``[2I/128, ...]``).
     When all 2 x KI accumulator tiles fit one pass (``plan.fused``: decode sizes), gate and up
     stream as *one* weight: a row-major k-tile row is then one run of 2I elements (3 KiB for
-    Qwen3-30B-A3B instead of two 1.5 KiB runs at 61% DMA efficiency)."""
+    Qwen3-30B-A3B instead of two 1.5 KiB runs at 61% DMA efficiency).
+
+    Returns bf16: the weighted ``hT [128, KI, tb]``; FP8: ``(h_parts, hmax, factor)`` for
+    ``_Fp8.quantize_h`` (h unquantized, per pass; the tokens' |h|max; the factor row that goes
+    into the token scale B)."""
     KI = cdiv(I, P)
     fp8 = q is not None
     Tp = D.acc_free(tb)
@@ -464,9 +480,15 @@ def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink, row_scale
         else:
             _gate_evict(hT, sg, acc_u, widths, tb, None, i0, i0)
         del acc_u, sg
-    B = None
-    if fp8:
-        hT, B = q.quantize_h(h_parts, hmax, KI, tb, factor, row_scale)
+    return (h_parts, hmax, factor) if fp8 else hT
+
+
+def _down_stage(hT, B, tb, H, I, wd, q, plan, tiled, sink):
+    """The down half of an expert step: the passes over ``hT [128, KI(e), tb]`` (FP8 codes,
+    their token scales ``B``; bf16: B None), each handed to ``sink(acc [128, nf, Tp] PSUM, j0,
+    widths, B)``; FP8's down channel scales are read from ``q.ws[2]``."""
+    fp8 = q is not None
+    Tp = D.acc_free(tb)
     d_tiles = D.feature_tiles([(0, H, 0)])
     for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
         widths = [d_tiles[j][1] for j in range(j0, j1)]
@@ -476,11 +498,85 @@ def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink, row_scale
         del acc
 
 
-def _expert_views(w_gu, w_d, e):
-    """(gate|up, down) weights of expert ``e`` (a register: a dynamic offset; None: as given)."""
-    if e is None:
-        return w_gu, w_d
-    return w_gu.select(0, e), w_d.select(0, e)
+def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled, ones, ident_f,
+                      sink):
+    """The decode loop over the chosen experts (bf16 and FP8 weights), software-pipelined by
+    one expert: iteration j issues the gate/up stage of slot j + 1 (its scale columns, the
+    gate/up GEMM and evictions, FP8's |h|max), the down stage of slot j (its GEMM and the
+    accumulation into the sink), then the rest of slot j + 1 (FP8: h quantized per token; bf16:
+    h) into the tiles the next iteration's down stage reads. Each engine runs its queue in
+    order, so TensorE goes on to slot j + 1's gate/up and slot j's down while VectorE / ScalarE
+    / GpSimd finish slot j + 1's h, instead of idling until it is quantized, as an
+    expert-serial body does.
+
+    The body of a hardware loop is traced once: the carried tiles (h, FP8's token scales and
+    down channel scales) are allocated here. Counts ``n_sb [1, 3]``: n, max(n - 1, 0) and
+    min(n, 1); the prologue (slot 0) and the epilogue (slot n - 1) are loops of min(n, 1)
+    iterations, so n = 0 runs neither."""
+    T, H = x.shape
+    KI, KT = cdiv(I, P), cdiv(H, P)
+    fp8 = q is not None
+    S = ids_sb.shape[1]
+    hc = nl.ndarray((P, KI + (KI % 2 if fp8 else 0), T), dtype=q.dtype if fp8 else nl.bfloat16,
+                    buffer=nl.sbuf)                                              # [128, KIe, T]
+    # FP8: quantize_parts zeroes hc's double_row pad tile itself
+    if fp8:
+        Bc = nl.ndarray((P, T), dtype=nl.float32, buffer=nl.sbuf)              # [128, T]
+        cdc = nl.ndarray((P, KT), dtype=nl.float32, buffer=nl.sbuf)            # [128, KT]
+
+    def expert(k, j):
+        e = nisa.register_alloc()
+        nisa.register_load(dst=e, src=ids_sb[0:1, k:S][0:1, nl.ds(j, 1)])
+        return e
+
+    def gate_up(k, j):
+        wgu = w_gu.select(0, expert(k, j))
+        meta = nl.ndarray((1, comb.shape[1]), dtype=nl.float32, buffer=nl.sbuf)  # [1, T(+2I+H)]
+        nisa.dma_copy(dst=meta, src=comb[k:S, :][nl.ds(j, 1), :])
+        if fp8:
+            _scale_cols(q, meta[:, T:T + 2 * I], meta[:, T + 2 * I:T + 2 * I + H], I, H,
+                        ident_f)
+            wrow = meta[:, 0:T]                                                 # [1, T]
+        else:
+            wrow = _row_broadcast(meta[:, 0:T], T, ones)                        # [128, T]
+        return _gate_up_stage(xT, A, T, H, I, wgu, wrow, q, plan, tiled), q and q.ws[2]
+
+    def scales(h, cd):
+        """FP8: the token scale rows of h (into tiles of this iteration)."""
+        if not fp8:
+            return h, cd
+        h_parts, hmax, factor = h
+        return (h_parts, *q.h_scales(hmax, T, factor)), cd
+
+    def rest(h, cd):
+        if fp8:
+            h_parts, sc, inv = h
+            q.quantize_parts(h_parts, sc, inv, KI, T, out=(hc, Bc))
+            nisa.tensor_copy(dst=cdc, src=cd, engine=nisa.engine.gpsimd)
+        else:
+            nisa.tensor_copy(dst=hc, src=h, engine=nisa.engine.gpsimd)
+
+    def down(k, j):
+        wd = w_d.select(0, expert(k, j))
+        if fp8:
+            q.ws = (None, None, cdc)
+        _down_stage(hc, Bc if fp8 else None, T, H, I, wd, q, plan, tiled, sink)
+
+    regs = []
+    for c in range(1, 3):
+        r = nisa.register_alloc()
+        nisa.register_load(dst=r, src=n_sb[0:1, c:c + 1])
+        regs.append(r)
+    m_reg, one_reg = regs
+    nl.fori_loop(0, one_reg, lambda j: rest(*scales(*gate_up(0, j))))
+
+    def step(j):
+        h = scales(*gate_up(1, j))      # before down(j): VectorE has the scales ready when
+        down(0, j)                      # TensorE reaches rest's broadcasts
+        rest(*h)
+
+    nl.fori_loop(0, m_reg, step)
+    nl.fori_loop(0, one_reg, lambda j: down(0, m_reg))
 
 
 def _load_scales(q, s_gu, s_d, e, I, H, ident_f):
@@ -764,8 +860,9 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
       x: [T, H] bf16 HBM.  w_gu: [E, H, 2I], w_d: [E, I, H] (tiled: [E, 2I/128, 128, KTe, 128],
         [E, H/128, 128, KTe, 128]) bf16 or FP8, HBM.
       experts: [1, S] int32 (the first n_active are the distinct chosen local experts).
-      n_active: [1, 1] int32.  comb: [S, T] fp32 routing weight of each token per slot (FP8:
-        [S, T + 2I + H], the slot's expert's gate|up and down scale rows appended).
+      n_active: [1, 3] int32 (n, max(n - 1, 0), min(n, 1)).
+      comb: [S, T] fp32 routing weight of each token per slot (FP8: [S, T + 2I + H], the slot's
+        expert's gate|up and down scale rows appended).
       s_gu: [E, 2I], s_d: [E, H] fp32 FP8 per-channel scales, else None.
       sh_gu: [H, 2Is], sh_d: [Is, H] shared expert (ss_gu [2Is], ss_d [H] FP8 scales) or None.
       combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused: from MoEPlan.
@@ -786,6 +883,8 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
         e = register(experts[s]); w[t] = comb[s, t]
         hT[i, t] = w[t] * silu(Wg[e].T @ xT) * (Wu[e].T @ xT)   # weights via select(0, e)
         yacc[h, t] += (Wd[e].T @ hT)[h, t]
+      (bf16 / FP8: pipelined by one expert, _decode_pipelined: the gate/up of s + 1 issued
+      ahead of the down of s)
       y[t, h] = transpose(yacc)
     """
     T, H = x.shape
@@ -796,7 +895,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
     y = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
     ids_sb = nl.ndarray((1, experts.shape[1]), dtype=nl.int32, buffer=nl.sbuf)   # [1, S]
     nisa.dma_copy(dst=ids_sb, src=experts)
-    n_sb = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)                     # [1, 1]
+    n_sb = nl.ndarray((1, 3), dtype=nl.int32, buffer=nl.sbuf)                     # [1, 3]
     nisa.dma_copy(dst=n_sb, src=n_active)
     ident = D.identity(nl.bfloat16)
     ident_f = D.identity(nl.float32)
@@ -840,10 +939,16 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
         sp = plan_tiles("decode", T, H, Is, 1 if fp8 else 2, tiled)
         _expert_step(xT, A, T, H, Is, sh_gu, sh_d, None, q, sp, tiled, sink)
 
-    n_reg = nisa.register_alloc()
-    nisa.register_load(dst=n_reg, src=n_sb)
+    widths = [t[1] for t in D.feature_tiles([(0, H, 0)])]
+    if mx is None:
+        _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled, ones,
+                          ident_f, sink)
+        _store_y(y, None, ident_f, yacc, 0, T, 0, widths)
+        return y
+
+    # MXFP8: one expert per iteration
     comb_sb = None
-    if mx is not None and comb.shape[0] * T * 4 <= COMB_RESIDENT_BYTES:
+    if comb.shape[0] * T * 4 <= COMB_RESIDENT_BYTES:
         # the whole plan in one DMA: a per-expert row DMA would sit in front of the weight
         # stream of its queue (~0.5 us each, modeled)
         comb_sb = nl.ndarray((1, comb.shape[0], T), dtype=nl.float32, buffer=nl.sbuf)  # [1, S, T]
@@ -852,31 +957,19 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
     def body(s):
         e = nisa.register_alloc()
         nisa.register_load(dst=e, src=ids_sb[0:1, nl.ds(s, 1)])
-        if mx is not None:
-            if comb_sb is not None:     # the slot's row from the resident plan (no DMA)
-                row = nl.ndarray((1, T), dtype=nl.float32, buffer=nl.sbuf)      # [1, T]
-                nisa.tensor_copy(dst=row, src=comb_sb[0:1, nl.ds(s, 1), :], engine=nisa.engine.gpsimd)
-            else:
-                row = nl.ndarray((1, T), dtype=nl.float32, buffer=nl.sbuf)      # [1, T]
-                nisa.dma_copy(dst=row, src=comb[nl.ds(s, 1), :])
-            wrow = _row_broadcast(row, T, ones)                                 # [128, T]
-            _expert_step_mx(xq, xs, T, H, I, *_mx_views(w_gu, s_gu, w_d, s_d, e), wrow, plan,
-                            mx, sink)
-            return
-        wgu, wd = _expert_views(w_gu, w_d, e)
-        meta = nl.ndarray((1, comb.shape[1]), dtype=nl.float32, buffer=nl.sbuf)  # [1, T(+2I+H)]
-        nisa.dma_copy(dst=meta, src=comb[nl.ds(s, 1), :])
-        if fp8:
-            _scale_cols(q, meta[:, T:T + 2 * I], meta[:, T + 2 * I:T + 2 * I + H], I, H, ident_f)
-        wrow = meta[:, 0:T] if fp8 else _row_broadcast(meta[:, 0:T], T, ones)  # [1 | 128, T]
-        _expert_step(xT, A, T, H, I, wgu, wd, wrow, q, plan, tiled, sink)
+        row = nl.ndarray((1, T), dtype=nl.float32, buffer=nl.sbuf)              # [1, T]
+        if comb_sb is not None:     # the slot's row from the resident plan (no DMA)
+            nisa.tensor_copy(dst=row, src=comb_sb[0:1, nl.ds(s, 1), :], engine=nisa.engine.gpsimd)
+        else:
+            nisa.dma_copy(dst=row, src=comb[nl.ds(s, 1), :])
+        wrow = _row_broadcast(row, T, ones)                                     # [128, T]
+        _expert_step_mx(xq, xs, T, H, I, *_mx_views(w_gu, s_gu, w_d, s_d, e), wrow, plan, mx,
+                        sink)
 
+    n_reg = nisa.register_alloc()
+    nisa.register_load(dst=n_reg, src=n_sb[0:1, 0:1])
     nl.fori_loop(0, n_reg, body)
-    widths = [t[1] for t in D.feature_tiles([(0, H, 0)])]
-    if mx is not None:
-        _store_y_bf16(y, ident, yacc, T, widths)
-    else:
-        _store_y(y, None, ident_f, yacc, 0, T, 0, widths)
+    _store_y_bf16(y, ident, yacc, T, widths)
     return y
 
 
