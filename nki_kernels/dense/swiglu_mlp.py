@@ -533,12 +533,13 @@ class _Fp8:
         sc, inv = self.h_scales(hmax, tb, factor)
         return self.quantize_parts(h_parts, sc, inv, KI, tb, row)
 
-    def h_scales(self, hmax, tb, factor=None):
+    def h_scales(self, hmax, tb, factor=None, out=None):
         """The tokens' |h|max over partitions ``hmax [128, tb]`` -> the rows (scale (times
-        ``factor``), inverse) ``[1, tb]`` (GpSimd's partition reduce, then VectorE)."""
+        ``factor``), inverse) ``[1, tb]`` (GpSimd's partition reduce, then VectorE), into the
+        tiles ``out`` when given."""
         amax = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)         # [1, tb]
         nisa.tensor_partition_reduce(dst=amax, op=nl.maximum, data=hmax)
-        return self.scale_and_inverse(amax, tb, factor)
+        return self.scale_and_inverse(amax, tb, factor, out)
 
     def quantize_parts(self, h_parts, sc, inv, KI, tb, row=False, out=None):
         """h's pass tiles -> (hq, B) with the scale rows of :meth:`h_scales` (broadcast on

@@ -1309,9 +1309,7 @@ class _PrefillPipe:
             nisa.tensor_tensor(dst=self.h[:, i0:i1, :], data1=sg, data2=u, op=nl.multiply,
                                engine=nisa.engine.gpsimd)
             q.track_max(hmax, self.h[:, i0:i1, :], tb, n == 0)
-        amax = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)             # [1, tb]
-        nisa.tensor_partition_reduce(dst=amax, op=nl.maximum, data=hmax)
-        q.scale_and_inverse(amax, tb, factor, out=(self.B, self.inv))
+        q.h_scales(hmax, tb, factor, out=(self.B, self.inv))
 
     def down(self, k, j):
         q, tb, I, H, plan = self.q, self.tb, self.I, self.H, self.plan
