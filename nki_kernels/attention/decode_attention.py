@@ -315,6 +315,10 @@ class _Run:
         self.pairs = None
         if self.fp8 and not cfg.packed and not cfg.layout.paged:
             self.pairs = pair_heads(cfg.d)
+        # Q^T by hardware-DGE DMA transposes (2-byte q; the hwdge shape rule: s_q in {1, 2, 4,
+        # 8, 16}, s_q G a multiple of 16, d <= 128)
+        self.q_dma_t = (not self.pairs and cfg.d <= P and q.dtype.itemsize == 2
+                        and cfg.s_q in (1, 2, 4, 8, 16) and (cfg.s_q * cfg.G) % 16 == 0)
 
     # -- the tile stream ------------------------------------------------------------------------
     def items(self, mine):
@@ -436,6 +440,24 @@ class _Run:
         for g in range(cfg.n_groups):
             heads = cfg.group_heads(g)
             rows = len(heads) * cfg.W
+            rt = self.rt_all[:, it.b, g, :]                                        # [128, 5]
+            grp = _Group(g, heads, rows, None, rt, None)
+            groups.append(grp)
+            if self.q_dma_t:
+                # Q^T straight from HBM: one hardware-DGE DMA transpose per slot of its G heads'
+                # [s_q, G, d] rows into [d, G, s_q] (the rows' order g s_q + i), instead of G s_q
+                # loads of d-element rows (one descriptor each) and a TensorE transpose
+                qT = nl.ndarray((P, self.DT, P), dtype=self.q.dtype, buffer=nl.sbuf)  # [d, 1, rows]
+                width = P if cfg.packed else rows
+                if cfg.rows < cfg.W or rows < P:
+                    nisa.memset(dst=qT[:, 0, 0:width], value=0.0, engine=nisa.engine.gpsimd)
+                for s, h in cfg.slots_of(g):
+                    c0 = s * cfg.W + cfg.row_off(it.b)
+                    src = cfg.rows_of(self.q, it.b)[:, h * cfg.G:(h + 1) * cfg.G, :]  # [s_q, G, d]
+                    dst = qT[0:cfg.d, 0, c0:c0 + cfg.rows].reshape_dim(1, (cfg.G, cfg.s_q))
+                    nisa.dma_transpose(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge)
+                grp.qT = qT
+                continue
             q_sb = nl.ndarray((P, cfg.d), dtype=self.q.dtype, buffer=nl.sbuf)          # [128, d]
             if cfg.rows < cfg.W or rows < P:
                 nisa.memset(dst=q_sb, value=0.0, engine=nisa.engine.gpsimd)
@@ -448,18 +470,18 @@ class _Run:
                 # Trn3 modeled: 29.3 -> 26.5 us)
                 nisa.dma_copy(dst=q_sb[r0:r0 + cfg.rows, :], src=src, dge_mode=nisa.dge_mode.hwdge,
                               engine=nisa.engine.sync)
-            rt = self.rt_all[:, it.b, g, :]                                        # [128, 5]
-            grp = _Group(g, heads, rows, None, rt, None)
             grp.q_sb = q_sb
-            groups.append(grp)
         return groups
 
     def ready(self, it, grp):
-        """Q^T (TensorE transpose of the slot-packed rows) and the softmax state of a group."""
+        """Q^T (TensorE transpose of the slot-packed rows, unless :meth:`start` loaded it by DMA
+        transposes) and the softmax state of a group."""
         cfg = self.cfg
         rows = grp.rows
         width = P if cfg.packed else rows              # packed: the rows of every slot
-        if self.pairs:
+        if grp.qT is not None:                         # loaded transposed (start)
+            pass
+        elif self.pairs:
             self._ready_pairs(grp, width)
         else:
             self._ready_dims(grp, width)
