@@ -516,7 +516,6 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
     T, H = x.shape
     KI, KT = cdiv(I, P), cdiv(H, P)
     fp8 = q is not None
-    S = ids_sb.shape[1]
     hc = nl.ndarray((P, KI + (KI % 2 if fp8 else 0), T), dtype=q.dtype if fp8 else nl.bfloat16,
                     buffer=nl.sbuf)                                              # [128, KIe, T]
     # FP8: quantize_parts zeroes hc's double_row pad tile itself
@@ -524,15 +523,10 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
         Bc = nl.ndarray((P, T), dtype=nl.float32, buffer=nl.sbuf)              # [128, T]
         cdc = nl.ndarray((P, KT), dtype=nl.float32, buffer=nl.sbuf)            # [128, KT]
 
-    def expert(k, j):
-        e = nisa.register_alloc()
-        nisa.register_load(dst=e, src=ids_sb[0:1, k:S][0:1, nl.ds(j, 1)])
-        return e
-
     def gate_up(k, j):
-        wgu = w_gu.select(0, expert(k, j))
+        wgu = w_gu.select(0, _slot_register(ids_sb, k, j))
         meta = nl.ndarray((1, comb.shape[1]), dtype=nl.float32, buffer=nl.sbuf)  # [1, T(+2I+H)]
-        nisa.dma_copy(dst=meta, src=comb[k:S, :][nl.ds(j, 1), :])
+        nisa.dma_copy(dst=meta, src=_slot_row(comb, k, j))
         if fp8:
             _scale_cols(q, meta[:, T:T + 2 * I], meta[:, T + 2 * I:T + 2 * I + H], I, H,
                         ident_f)
@@ -557,7 +551,7 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
             nisa.tensor_copy(dst=hc, src=h, engine=nisa.engine.gpsimd)
 
     def down(k, j):
-        wd = w_d.select(0, expert(k, j))
+        wd = w_d.select(0, _slot_register(ids_sb, k, j))
         if fp8:
             q.ws = (None, None, cdc)
         _down_stage(hc, Bc if fp8 else None, T, H, I, wd, q, plan, tiled, sink)
@@ -765,6 +759,20 @@ def _down_pass(w, ds, chunks, j0, nf, kb, hq, hs, acc, x4):
                                   stationary_scale=ds[o:P, c // 4, j * P:(j + 1) * P],
                                   moving_scale=hs[o:P, c // 4, 0:N], accumulate=(c > 0))
         del wq
+
+
+def _slot_register(plan_sb, k, j):
+    """A register loaded with entry ``j + k`` of a plan row ``plan_sb [1, S]`` (int32 SBUF; ``j``
+    the loop index, 0, or a register; ``k`` the pipelined loops' shift in slots)."""
+    r = nisa.register_alloc()
+    nisa.register_load(dst=r, src=plan_sb[0:1, k:plan_sb.shape[1]][0:1, nl.ds(j, 1)])
+    return r
+
+
+def _slot_row(a, k, j):
+    """Row ``j + k`` of a plan array ``a [S, n]`` (HBM view ``[1, n]``; ``j``, ``k`` as in
+    :func:`_slot_register`)."""
+    return a[k:a.shape[0], :][nl.ds(j, 1), :]
 
 
 def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink):
@@ -1156,7 +1164,6 @@ class _PrefillPipe:
         H = x.shape[1]
         self.H, self.I = H, I
         self.KT, self.KI, self.tb = cdiv(H, P), cdiv(self.I, P), plan.tb
-        self.NB = be_sb.shape[1]
         fp8 = q is not None
         tb = self.tb
         if mx is not None:     # MXFP8: the carried activations are quantized
@@ -1180,18 +1187,9 @@ class _PrefillPipe:
             self.a_row = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)  # [1, tb]
             self.inv = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)    # [1, tb]
 
-    def _expert(self, k, j):
-        e = nisa.register_alloc()
-        nisa.register_load(dst=e, src=self.be_sb[0:1, k:self.NB][0:1, nl.ds(j, 1)])
-        return e
-
-    def _row(self, a, k, j):
-        """Row ``j + k`` of the plan array ``a [NB, tb]`` (HBM view ``[1, tb]``)."""
-        return a[k:self.NB, :][nl.ds(j, 1), :]
-
     def front(self, k, j):
         x, H, tb, q = self.x, self.H, self.tb, self.q
-        gi_row = self._row(self.gidx, k, j)
+        gi_row = _slot_row(self.gidx, k, j)
         subs = []
         for s0 in range(0, tb, P):
             ts = min(P, tb - s0)
@@ -1217,14 +1215,14 @@ class _PrefillPipe:
         I, H, tb, q, plan, tiled = self.I, self.H, self.tb, self.q, self.plan, self.tiled
         KI = self.KI
         fp8 = q is not None
-        e = self._expert(k, j)
+        e = _slot_register(self.be_sb, k, j)
         wgu = self.w_gu.select(0, e)
         Tp = D.acc_free(tb)
         cg = None
         # the routing weights into a tile of this iteration: a DMA into a carried tile would be
         # ready only after that tile's last read, behind the weight loads already queued
         factor = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)          # [1, tb]
-        nisa.dma_copy(dst=factor, src=self._row(self.bw, k, j))
+        nisa.dma_copy(dst=factor, src=_slot_row(self.bw, k, j))
         if self.mx is not None:
             return self._gate_up_mx(e, factor)
         if fp8:
@@ -1315,9 +1313,9 @@ class _PrefillPipe:
         q, tb, I, H, plan = self.q, self.tb, self.I, self.H, self.plan
         KI = self.KI
         fp8 = q is not None
-        e = self._expert(k, j)
+        e = _slot_register(self.be_sb, k, j)
         wd = self.w_d.select(0, e)
-        si_row = self._row(self.sidx, k, j)
+        si_row = _slot_row(self.sidx, k, j)
         sis = [_index_col(si_row, s0, min(P, tb - s0)) for s0 in range(0, tb, P)]
         if self.mx is not None:
             self._down_mx(e, sis)
