@@ -479,12 +479,8 @@ class _Run:
         cfg = self.cfg
         rows = grp.rows
         width = P if cfg.packed else rows              # packed: the rows of every slot
-        if grp.qT is not None:                         # loaded transposed (start)
-            pass
-        elif self.pairs:
-            self._ready_pairs(grp, width)
-        else:
-            self._ready_dims(grp, width)
+        if grp.qT is None:                             # (else start loaded it transposed)
+            (self._ready_pairs if self.pairs else self._ready_dims)(grp, width)
         grp.q_sb = None
         grp.psm = None                                 # the packed slots' state, if any
         sink = grp.rt[0:rows, C_SINK:C_SINK + 1] if cfg.has_sinks and it.part == 0 else None

@@ -205,18 +205,24 @@ def _steps(g, n):
     return g
 
 
+def _drain(g):
+    """Run generator ``g`` (or None) to its end."""
+    for _ in g or ():
+        pass
+
+
 def _weave(a, b, ratio, c=None):
     """Run generator ``b`` to its end with one step of ``c`` and then ``ratio`` steps of ``a``
     after each of its steps; ``c`` is then run to its end, ``a`` left where it stops (any may be
     None; with ``b`` None and ``ratio`` 1, ``a`` is run to its end)."""
     if b is None:
         if ratio == 1:
-            _steps(a, 1 << 30)
+            _drain(a)
     else:
         for _ in b:
             c = _steps(c, 1)
             a = _steps(a, ratio)
-    _steps(c, 1 << 30)
+    _drain(c)
 
 
 class _Group:
@@ -345,7 +351,8 @@ class _Run:
                 else:
                     gen_c = self.stage_pT(job)
                     if not self.bg_transpose:
-                        gen_c = _steps(gen_c, 1 << 30)
+                        _drain(gen_c)
+                        gen_c = None
             _weave(gen_a, gen_d, WEAVE, gen_c)
             _weave(gen_a, None, 1)
             if done is not None:
