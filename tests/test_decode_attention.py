@@ -94,14 +94,21 @@ def test_gqa_mixed_lengths(tgt, rng, bs):
 
 @pytest.mark.parametrize("s_q, bs, lnc, opts", [
     (1, None, 1, {}), (1, 64, 1, {"sinks": True}), (2, 16, 1, {}), (1, None, 2, {}),
-    (1, 32, 1, {"window": 2500})])
+    (1, 32, 1, {"window": 2500}), (1, None, 1, {"whole": True}),
+    (1, 64, 1, {"whole": True, "sinks": True})])
 def test_one_kv_head_packed_slots(tgt, rng, s_q, bs, lnc, opts):
     """One KV head (Llama-3-70B TP8 / MQA): full unmasked tiles spread their token slices over
     the four PE column tiles (the head's rows in each, a softmax state per slot, folded at the
-    end); masked and last tiles keep the row layout. The case must take the packed path."""
+    end); masked and partial tiles keep the row layout. The case must take the packed path.
+    ``whole``: the first sequence is a whole number of tiles, so every one of its tiles runs
+    packed and the row state starts from the folded slots."""
     from nki_kernels.attention.decode_attention import DecodePlan, decode_schedule, slot_width
+    opts = dict(opts)
     lens = [4100, 6000, 17]
     Hq = 8
+    if opts.pop("whole", False):
+        tk = decode_schedule(lens, s_q, Hq, 1, 128, 2, bs, None, lnc)[0].tile_keys
+        lens = [3 * tk, tk + 5, 17]
     lay, items = decode_schedule(lens, s_q, Hq, 1, 128, 2, bs, opts.get("window"), lnc)
     W = slot_width(Hq * s_q)
     plan = DecodePlan(B=3, s_q=s_q, Hq=Hq, Hkv=1, d=128, W=W, nslot=128 // W, layout=lay,

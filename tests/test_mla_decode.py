@@ -150,6 +150,8 @@ def test_kernel_agrees_with_unabsorbed_mla(tgt):
 CASES = [
     # B, s_q, H, lens, block size (None = contiguous)
     pytest.param(2, 1, 16, [1100, 1], 16, id="H16-paged16-packed4-L1"),
+    # whole tiles (1024 / 2048 keys): every tile packed, the row state starts from the slots
+    pytest.param(2, 1, 16, [2048, 3072], 64, id="H16-paged64-whole-tiles"),
     pytest.param(1, 2, 32, [1200], 64, id="H32-sq2-paged64-packed2"),
     pytest.param(3, 4, 32, [4, 0, 261], None, id="H32-sq4-contig-empty"),
     pytest.param(1, 1, 128, [777], 32, id="H128-paged32"),
@@ -208,6 +210,7 @@ def _token_scales(rng, kv, lens, table=None, lo=-8.0, hi=4.0):
 TOKEN_CASES = [
     # B, s_q, H, lens, block size (None = contiguous)
     pytest.param(2, 1, 16, [1100, 1], 16, id="H16-paged16-packed"),
+    pytest.param(1, 1, 16, [2048], None, id="H16-contig-whole-tile"),
     pytest.param(1, 2, 128, [777], 32, id="H128-sq2-paged32"),
     pytest.param(3, 2, 16, [300, 0, 40], None, id="H16-sq2-contig-empty"),
     pytest.param(1, 1, 128, [600], None, id="H128-contig"),

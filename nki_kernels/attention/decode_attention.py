@@ -138,7 +138,8 @@ class DecodePlan(nl.NKIObject):
     def packed(self) -> bool:
         """One KV head and room for more slots (Llama-3-70B TP8, MQA): full tiles spread their
         token slices over all ``nslot`` PE column tiles, the head's rows repeated in each (own
-        softmax state per slot, merged at the end); masked and last tiles keep the row layout."""
+        softmax state per slot, merged at the end); masked and partial tiles keep the row
+        layout."""
         return self.Hkv == 1 and self.nslot > 1 and self.layout.T % self.nslot == 0
 
     @property
@@ -380,7 +381,6 @@ class _Run:
 
         jobs = [(j, gi) for j in range(len(tiles)) for gi in range(self.cfg.n_groups)]
         state = {}
-        deferred = []
         steps = len(jobs) + LAGS[-1]
         for step in range(steps):
             ja, jd = step - LAGS[0], step - LAGS[3]
@@ -393,7 +393,7 @@ class _Run:
                 if c == 0:
                     self.ready(mine[ii], groups[ii][gi])
                 state[ja] = _Job(mine[ii], groups[ii][gi], kt, vt, k0, n, lay,
-                                 self._packs(mine[ii], k0, n, last))
+                                 self._packs(mine[ii], k0, n))
                 gen_a = self.stage_kT(state[ja])
                 if gi == self.cfg.n_groups - 1:
                     loaded.pop(j)
@@ -419,16 +419,10 @@ class _Run:
                 j, gi = jobs[jd]
                 ii, c, k0, n, last = tiles[j]
                 if last and gi == self.cfg.n_groups - 1:
-                    grps = groups.pop(ii)
-                    if any(g.psm is not None for g in grps):
-                        deferred.append((done.it, grps))
-                    else:
-                        self.finish(done.it, grps)
-        # packed items fold their slots with SBUF-to-SBUF DMAs: after the last tile's loads, so
-        # they never queue behind the next items' prefetched KV (70B TP8 B=8 L=8K paged: 247
-        # -> 170 us, Trn3 modeled)
-        for it, grps in deferred:
-            self.finish(it, grps)
+                    # packed items fold their slots here too: by TensorE transposes, nothing
+                    # queues behind the prefetched KV (the SBUF-to-SBUF DMAs they took before
+                    # had to wait for the program's last loads)
+                    self.finish(done.it, groups.pop(ii))
 
     # -- per item ---------------------------------------------------------------------------------
     def start(self, it):
@@ -719,6 +713,7 @@ class _Run:
     def stage_accumulate(self, job):
         """o = alpha o + O (VectorE), issued after the step's other ScalarE/VectorE work."""
         if job.packed:
+            job.grp.psm.flush_sum()      # l = alpha l + sum p, off the softmax's VectorE chain
             job.grp.psm.accumulate_o(job.O, job.alpha, mode="stt", copy_engine="vector")
         else:
             job.grp.sm.flush_sum()       # l = alpha l + sum p, deferred off the softmax's chain
@@ -727,11 +722,11 @@ class _Run:
         job.O = None
 
     # -- packed tiles (one KV head: its rows repeated in every PE column tile) ----------------
-    def _packs(self, it, k0, n, last):
-        """Whether a tile runs packed: a packed plan, a full tile that is not its item's last,
-        and no row needs a mask in it (before the drafts' diagonal, inside every window)."""
+    def _packs(self, it, k0, n):
+        """Whether a tile runs packed: a packed plan, a full tile, and no row needs a mask in it
+        (before the drafts' diagonal, inside every window)."""
         cfg = self.cfg
-        if not cfg.packed or last or n != self.lay.tile_keys:
+        if not cfg.packed or n != self.lay.tile_keys:
             return False
         L = cfg.seq_lens[it.b]
         return k0 + n - 1 <= L - cfg.s_q and not (cfg.window and k0 < L - cfg.window)
@@ -762,7 +757,7 @@ class _Run:
                                   reduce_res=sm.max_slot())
         del S
         Pm = nl.ndarray((P, ncol), dtype=nl.bfloat16, buffer=nl.sbuf)           # [slots, Ts 128]
-        job.alpha = sm.exp_block(Pm, X)
+        job.alpha = sm.exp_block(Pm, X, defer_sum=True)
         job.Pm = Pm
 
     def stage_pT_packed(self, job):

@@ -318,7 +318,10 @@ class _Run:
                         fetch(jj)
                 ii, k0, n, last = tiles[j]
                 tile = loaded[j]
-                packed = cfg.nslot > 1 and not last        # an item's last tile: one row layout
+                # packed: a full tile every row sees whole (an item's last tile holds the
+                # drafts' diagonal when s_q > 1, or is partial: one row layout)
+                L = cfg.seq_lens[mine[ii].b]
+                packed = cfg.nslot > 1 and n == lay.tile_keys and k0 + n - 1 <= L - cfg.s_q
                 if g == 0:
                     if tile.raw:                           # FP8 to dequantize, not done yet
                         self.dequant(tile)
@@ -597,8 +600,8 @@ class _Run:
     # -- packed tiles (few rows: nslot PE column tiles side by side) -----------------------------
     def stage_softmax_packed(self, job):
         """Slot s scores its slices ``[s Ts, (s + 1) Ts)`` of a full tile against the rows
-        repeated in its PE column tile: ``S[s W + r, c]`` (no mask: every key of a full tile
-        that is not an item's last is visible to every row)."""
+        repeated in its PE column tile: ``S[s W + r, c]`` (no mask: a packed tile is full and
+        every row sees all of its keys)."""
         cfg = self.cfg
         W, Ts, kT = cfg.W, cfg.Ts, job.tile.kT
         grp = job.grp
@@ -617,7 +620,7 @@ class _Run:
         nisa.tensor_scalar_reduce(dst=X, data=S, op0=nl.multiply, operand0=cfg.qk_mul,
                                   reduce_op=nl.maximum, reduce_res=sm.max_slot())
         Pm = nl.ndarray((P, ncol), dtype=nl.bfloat16, buffer=nl.sbuf)           # [slots, Ts 128]
-        job.alpha = sm.exp_block(Pm, X)
+        job.alpha = sm.exp_block(Pm, X, defer_sum=True)
         job.Pm = Pm
 
     def stage_pT_packed(self, job):
@@ -638,6 +641,7 @@ class _Run:
                                accumulate=tt > 0, tile_position=(0, r0), tile_size=(P, W))
             yield
         job.pT = None
+        job.grp.psm.flush_sum()         # the deferred l update (decode_attention's reason)
         job.grp.psm.accumulate_o(O, job.alpha, mode="stt", copy_engine="vector")
 
     def _evict(self, dst, src):

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import nisa, nl
-from .merge_attention_states import merge_states_sb
 
 P = 128
 
@@ -156,17 +155,66 @@ def transpose_slots(Pm, Ts: int, evict):
 
 def fold_slots(sm, psm, nslot: int, W: int, rows: int):
     """Fold the packed slots' states into the row state ``sm`` (partitions ``[0, rows)``): slot
-    s holds its share of the full tiles' keys on partitions ``[s W, s W + rows)``; slot 0 merges
-    in place, the others are moved to partitions ``[0, rows)`` by SBUF-to-SBUF DMAs first
-    (exact log-sum-exp merges). ``sm`` must have started."""
+    s holds its share of the full tiles' keys on partitions ``[s W, s W + rows)``.
+
+    The slots are moved onto partitions ``[0, rows)`` by two exact TensorE transposes (fp32
+    transpose mode): the state ``[128, c]`` to ``[c, 128]`` (evicted once), then each slot's
+    columns ``[c, rows]`` back to ``[rows, c]`` in PSUM, where the merge reads them (an SBUF-to-
+    SBUF DMA per slot waited ~2 us of DMA latency at the end of every item). Then every state
+    (the slots, and ``sm`` if it has started: an item whose tiles all ran packed leaves it
+    empty) is merged in one exact log-sum-exp pass: ``m = max_i m_i``,
+    ``w_i = e^(xmul (m_i - m))``, ``o = sum_i w_i o_i``, ``l = sum_i w_i l_i``."""
     d = sm.d
+    n = nslot + (1 if sm.started else 0)
+    f32 = nl.float32
+    # m and l side by side: one transpose pair moves both
+    ml = nl.ndarray((P, 2), dtype=f32, buffer=nl.sbuf)                           # [128, 2]
+    nisa.tensor_copy(dst=ml[:, 0:1], src=psm.mp[:, 0:1], engine=nisa.engine.vector)
+    nisa.tensor_copy(dst=ml[:, 1:2], src=psm.l, engine=nisa.engine.vector)
+    chunks = [(c0, min(d, c0 + P)) for c0 in range(0, d, P)]
+    t_ps = nl.ndarray((P, len(chunks) + 1, P), dtype=f32, buffer=nl.psum)      # [c, chunk, 128]
+    tT = nl.ndarray((P, len(chunks) + 1, P), dtype=f32, buffer=nl.sbuf)
+    nisa.nc_transpose(dst=t_ps[0:2, 0, :], data=ml, engine=nisa.engine.tensor)
+    for k, (c0, c1) in enumerate(chunks):
+        nisa.nc_transpose(dst=t_ps[0:c1 - c0, k + 1, :], data=psm.o[:, c0:c1],
+                          engine=nisa.engine.tensor)
+    nisa.tensor_copy(dst=tT[0:2, 0, :], src=t_ps[0:2, 0, :], engine=nisa.engine.vector)
+    for k, (c0, c1) in enumerate(chunks):
+        nisa.tensor_copy(dst=tT[0:c1 - c0, k + 1, :], src=t_ps[0:c1 - c0, k + 1, :],
+                         engine=nisa.engine.scalar if k % 2 else nisa.engine.vector)
+    ml_ps = nl.ndarray((rows, nslot, 2), dtype=f32, buffer=nl.psum)             # [rows, slot, 2]
     for s in range(nslot):
-        a = s * W
-        if s == 0:
-            merge_states_sb(sm, psm.o[0:rows, :], psm.mp[0:rows, 0:1], psm.l[0:rows, :])
-            continue
-        st = nl.ndarray((rows, d + 2), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=st[:, 0:d], src=psm.o[a:a + rows, :])
-        nisa.dma_copy(dst=st[:, d:d + 1], src=psm.mp[a:a + rows, 0:1])
-        nisa.dma_copy(dst=st[:, d + 1:d + 2], src=psm.l[a:a + rows, :])
-        merge_states_sb(sm, st[:, 0:d], st[:, d:d + 1], st[:, d + 1:d + 2])
+        nisa.nc_transpose(dst=ml_ps[:, s, :], data=tT[0:2, 0, s * W:s * W + rows],
+                          engine=nisa.engine.tensor)
+    srcs = [psm.o[0:rows, :]]
+    for s in range(1, nslot):
+        o_ps = nl.ndarray((rows, d), dtype=f32, buffer=nl.psum)                  # [rows, d]
+        for k, (c0, c1) in enumerate(chunks):
+            nisa.nc_transpose(dst=o_ps[:, c0:c1], data=tT[0:c1 - c0, k + 1, s * W:s * W + rows],
+                              engine=nisa.engine.tensor)
+        srcs.append(o_ps)
+    st = nl.ndarray((rows, n, 2), dtype=f32, buffer=nl.sbuf)                     # [rows, n, 2]
+    nisa.tensor_copy(dst=st[:, 0:nslot, :], src=ml_ps, engine=nisa.engine.vector)
+    if sm.started:
+        nisa.tensor_copy(dst=st[:, nslot, 0:1], src=sm.mp[:, 0:1], engine=nisa.engine.vector)
+        nisa.tensor_copy(dst=st[:, nslot, 1:2], src=sm.l, engine=nisa.engine.vector)
+        srcs.append(sm.o)
+    ms, ls = st[:, :, 0], st[:, :, 1]
+    m = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=m, data=ms, op=nl.maximum, axis=1)
+    nb = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=nb, data=m, op0=nl.multiply, operand0=-sm.xmul)
+    w = nl.ndarray((rows, n), dtype=f32, buffer=nl.sbuf)
+    nisa.activation(dst=w, op=nl.exp, data=ms, bias=nb, scale=sm.xmul)
+    o = nl.ndarray((rows, d), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=o, data=srcs[0], op0=nl.multiply, operand0=w[:, 0:1])
+    for i in range(1, n):
+        nisa.scalar_tensor_tensor(dst=o, data=srcs[i], op0=nl.multiply, operand0=w[:, i:i + 1],
+                                  op1=nl.add, operand1=o)
+    wl = nl.ndarray((rows, n), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=wl, data1=w, data2=ls, op=nl.multiply)
+    l_new = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=l_new, data=wl, op=nl.add, axis=1)
+    sm.o, sm.l = o, l_new
+    nisa.tensor_copy(dst=sm.mp[:, 0:1], src=m, engine=nisa.engine.vector)
+    sm.mark_started()
