@@ -71,10 +71,15 @@ DEQ_AHEAD = 1         # per-token FP8: tile j + 1 is dequantized in the step tha
                       # us; 2 tiles ahead 174.5; after the step's matmuls 242.6)
 LAGS = (0, 2, 3, 4)   # pipeline lags of the stages K^T, QK^T + softmax, P^T, PV (in jobs)
 WEAVE = 3             # K^T transposes issued after each QK^T / PV matmul
-EVICT_ACT = (0.7, 0.6)    # share of the K^T / P^T PSUM evictions on ScalarE (the rest on
-                          # VectorE), row layout / packed layout (modeled, DeepSeek-V3 H=128
-                          # L=32K Trn3, row share 0.6 / 0.65 / 0.7 / 0.75 / 0.8: 140.7 / 141.5 /
-                          # 140.3 / 142.1 / 144.0 us; Trn2 219.3 at 0.7, 220.2 at 0.75)
+EVICT_ACT = {3: (0.7, 0.6), 4: (0.7, 0.7)}
+# share of the K^T / P^T PSUM evictions on ScalarE (the rest on VectorE) per generation, row
+# layout / packed layout (modeled). Row, DeepSeek-V3 H=128 L=32K Trn3, share 0.6 / 0.65 / 0.7 /
+# 0.75 / 0.8: 140.7 / 141.5 / 140.3 / 142.1 / 144.0 us; Trn2 219.3 at 0.7, 220.2 at 0.75.
+# Packed (00f208f's fold and deferred sums), TP8 H=16 B=1 L=32K / B=32 L=4K paged, share 0.5 /
+# 0.6 / 0.65 / 0.7 / 0.75: Trn3 97.7 / 107.3 / 97.7 / 95.4 / 96.5 us and 148.3 / 154.7 / 148.5 /
+# 147.0 / 147.0 us; Trn2 at 0.4 / 0.45 / 0.5 / 0.55 / 0.6: 139.6 / 143.5 / 129.6 / 152.6 / 153.4
+# and 198.4 / 201.1 / 187.0 / 203.2 / 202.5 us, but the FP8 B=1 L=32K row 160.6 / 163.0 /
+# 161.5 / 152.0 / 141.0: Trn2 keeps 0.6.
 C_LO, C_HI = 0, 1     # row table columns: first / last visible key of each query row
 NCOL = 2
 
@@ -111,7 +116,7 @@ class MLAPlan(nl.NKIObject):
     tok_scale: bool = False
     deq_cast: bool = False
     deq_act: float = 0.0
-    evict_act: tuple = EVICT_ACT
+    evict_act: tuple = EVICT_ACT[4]
 
     @property
     def dequant(self) -> bool:
@@ -790,7 +795,7 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
                    qk_mul=scale * kvs, v_mul=kvs, return_lse=bool(return_lse),
                    out_dtype=nl.bfloat16, W=W, nslot=nslot, tok_scale=bool(tok), deq_cast=deq,
                    deq_act=DEQ_ACT[gen][nslot > 1] if dq else 0.0,
-                   evict_act=TOK_EVICT_ACT[gen] if dq else EVICT_ACT)
+                   evict_act=TOK_EVICT_ACT[gen] if dq else EVICT_ACT[gen])
     rowtab = row_table(plan)
     extra = (ks_tok,) if tok else ()
     res = launch(mla_decode_kernel, q_nope, q_rope, kv_cache, bt, rowtab, plan, *extra, lnc=lnc)
