@@ -95,7 +95,7 @@ def test_gqa_mixed_lengths(tgt, rng, bs):
 @pytest.mark.parametrize("s_q, bs, lnc, opts", [
     (1, None, 1, {}), (1, 64, 1, {"sinks": True}), (2, 16, 1, {}), (1, None, 2, {}),
     (1, 32, 1, {"window": 2500}), (1, None, 1, {"whole": True}),
-    (1, 64, 1, {"whole": True, "sinks": True})])
+    (1, 64, 1, {"whole": True, "sinks": True}), (1, None, 2, {"whole": True})])
 def test_one_kv_head_packed_slots(tgt, rng, s_q, bs, lnc, opts):
     """One KV head (Llama-3-70B TP8 / MQA): full unmasked tiles spread their token slices over
     the four PE column tiles (the head's rows in each, a softmax state per slot, folded at the
