@@ -61,8 +61,13 @@ MAX_S_Q = 8
 MM_N = 512            # score columns per QK^T matmul (one fp32 PSUM bank)
 TR_GROUP = 8          # 128-key transposes per PSUM buffer (2 KiB of bf16)
 PREFETCH = 2          # KV tiles loaded ahead of the one being computed
-V_BEHIND = 1          # V loads issued this many tiles behind K loads (the last K lands before the
-                      # last V: 84.7 -> 80.6 us on Llama-3-8B B=1 L=8K, Trn3; 113 -> 108 Trn2)
+V_BEHIND = (1, 2)     # V loads issued this many tiles behind K loads (row layout, packed plans):
+                      # the last K lands before the last V (1: 84.7 -> 80.6 us on Llama-3-8B
+                      # B=1 L=8K, Trn3; 113 -> 108 Trn2). Packed one-KV-head plans take 2: their
+                      # per-tile K chain (K^T, scores, softmax, P^T) outlasts a tile's DMA, so the
+                      # last tiles' chains start sooner (Llama-3-70B TP8 B=1 L=32K 45.0 -> 44.0 us
+                      # Trn3, 60.6 -> 59.1 Trn2; B=8 L=8K paged 123.8 -> 122.1, 128.0 -> 126.3;
+                      # 2 for every plan cost the Llama-3-8B rows 0.3-0.5%; all modeled)
 LAGS = (0, 1, 2, 3)   # pipeline lags (in jobs) of the stages K^T, QK^T + softmax, P^T, PV: every
                       # PSUM eviction has a whole step to finish before TensorE needs its result
 # Paged gather: "page" (a register-addressed DMA per page) models at 73% of the HBM roof on
@@ -367,12 +372,14 @@ class _Run:
                 load_kv_tile(t, cache, lay, it.b, k0, n, col, zero_tail=zero)
             loaded.setdefault(j, {})[which] = t
 
+        vb = V_BEHIND[self.cfg.packed]
+
         def prefetch(j):
             last = min(len(tiles) - 1, j + PREFETCH)
             for jj in range(j, last + 1):
                 if "k" not in loaded.get(jj, {}):
                     fetch(jj, "k")
-                jv = jj - V_BEHIND if jj < len(tiles) - 1 else jj     # the last V follows K
+                jv = jj - vb if jj < len(tiles) - 1 else jj           # the last V follows K
                 for v in range(j, jv + 1):
                     if "v" not in loaded.get(v, {}):
                         fetch(v, "v")
