@@ -152,6 +152,7 @@ CASES = [
     pytest.param(2, 1, 16, [1100, 1], 16, id="H16-paged16-packed4-L1"),
     # whole tiles (1024 / 2048 keys): every tile packed, the row state starts from the slots
     pytest.param(2, 1, 16, [2048, 3072], 64, id="H16-paged64-whole-tiles"),
+    pytest.param(2, 1, 16, [1024, 7], None, id="H16-contig-one-whole-tile"),
     pytest.param(1, 2, 32, [1200], 64, id="H32-sq2-paged64-packed2"),
     pytest.param(3, 4, 32, [4, 0, 261], None, id="H32-sq4-contig-empty"),
     pytest.param(1, 1, 128, [777], 32, id="H128-paged32"),

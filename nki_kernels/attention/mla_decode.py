@@ -407,7 +407,7 @@ class _Run:
                           dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
             sm = SoftmaxState(rows, D_LATENT, 1.0, sum_in_o=False)
             psm = None
-            if cfg.nslot > 1 and it.keys > self.lay.tile_keys:
+            if cfg.nslot > 1 and it.keys >= self.lay.tile_keys:   # a whole tile packs too
                 psm = SoftmaxState(P, D_LATENT, 1.0, sum_in_o=False)
             groups.append(_Group(g, r0, rows, qT, rt, sm, psm))
         return groups
