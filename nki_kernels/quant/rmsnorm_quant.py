@@ -33,9 +33,13 @@ FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 DT_BLOCKS = 16                # 128-column blocks per DMA transpose: 4 KiB SBUF rows per partition
 FIRST_DT_BLOCKS = 4           # the first tile's first DMA transpose: TensorE starts sooner
 G_BLOCKS = 8                  # 128-column blocks of g per PSUM tile (2 banks; x2 buffers + Gram)
+GRAM_COLS = 64                # tokens per diagonal Gram block (one PE column tile each)
 ACT_EVICT_EVERY = 8           # MX: ScalarE evicts one 512-column chunk in 8, VectorE the others
-DVE_EVICT_EVERY = 4           # FP8 transposed, Trn3: VectorE evicts one g chunk in 4, ScalarE the
-                              # others (TensorE then binds: 6.9 vs 5.4/5.6 us per 128x8192 tile)
+DVE_EVICT_EVERY = 5           # FP8 transposed, Trn3: VectorE evicts one g chunk in 5, ScalarE the
+                              # others. With the Gram's diagonal blocks only (GRAM_COLS), modeled
+                              # Llama-3-8B / 70B T=2048, Gemma-3-27B T=512, 70B T=32768 (us):
+                              # every 3: 69.9 / 114.9 / 28.2 / 1671; 4: 70.8 / 115.9 / 26.9 /
+                              # 1672; 5: 67.4 / 113.1 / 27.6 / 1650; 6: 67.4 / 113.0 / 28.5 / 1650
 FP32_MIN = -3.4028234663852886e38
 ROW_CHUNK = 1024              # columns per chunk when one 128-row tile is all there is (pass 1)
 Q_CHUNK = 2048                # columns per quantize-and-store chunk (pass 2): 2 KiB fp8 rows
@@ -394,7 +398,13 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
         nisa.dma_transpose(dst=xT[:, b0:b0 + nb, :], src=src)                  # [128, nb, tt]
         if dg is None:        # after the first transpose, ahead of the tile's other ones
             dg = _gamma_diag(gamma, NB)                                          # [128, NB, 128]
-    gram = nl.ndarray((tt, tt), dtype=nl.float32, buffer=nl.psum)             # [tt, tt]
+    # Trn3: the Gram matrix's diagonal blocks only, tokens [64 i, 64 i + 64) against themselves
+    # in PE column tile i (the two matmuls run side by side: half the PE time of the full
+    # [tt, tt], where TensorE binds); Trn2, where it does not, keeps one matmul (modeled: the
+    # split cost its rows 0.5-0.8%)
+    gc = GRAM_COLS if gen >= 4 else P
+    halves = [(c0, min(tt, c0 + gc)) for c0 in range(0, tt, gc)]
+    gram = nl.ndarray((tt, gc), dtype=nl.float32, buffer=nl.psum)             # [tt, gc]
     chunks = list(range(0, NB, G_BLOCKS))
     on_dve = [c0 for i, c0 in enumerate(chunks)
               if gen >= 4 and len(chunks) > 1 and i % DVE_EVICT_EVERY == DVE_EVICT_EVERY - 1]
@@ -409,7 +419,10 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
         gb = min(G_BLOCKS, NB - c0)
         g_ps = nl.ndarray((tt, gb * P), dtype=nl.float32, buffer=nl.psum)      # [tt, gb*128]
         for b in range(c0, c0 + gb):
-            nisa.nc_matmul(dst=gram, stationary=xT[:, b, :], moving=xT[:, b, :], accumulate=b > 0)
+            for h0, h1 in halves:
+                kw = dict(tile_position=(0, h0), tile_size=(P, gc)) if gc < P else {}
+                nisa.nc_matmul(dst=gram[h0:h1, 0:h1 - h0], stationary=xT[:, b, h0:h1],
+                               moving=xT[:, b, h0:h1], accumulate=b > 0, **kw)
             nisa.nc_matmul(dst=g_ps[:, (b - c0) * P:(b - c0 + 1) * P], stationary=xT[:, b, :],
                            moving=dg[:, b, :], accumulate=False)
         cols = g_sb[:, c0 * P:(c0 + gb) * P]
@@ -433,11 +446,13 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
             nisa.activate2(dst=cols, op=nl.copy, data=g_ps, imm0=0.0, imm1=0.0, op0=None,
                            op1=None, reduce_op=nl.abs_max, reduce_cmd=cmd,
                            reduce_res=m_act if last else None)
-    junk = nl.ndarray((tt, tt), dtype=nl.float32, buffer=nl.sbuf)
+    junk = nl.ndarray((tt, gc), dtype=nl.float32, buffer=nl.sbuf)
     ss = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.select_reduce(dst=junk, predicate=sel[0:tt, 0:tt], on_true=gram, on_false=FP32_MIN,
-                       reduce_res=ss, reduce_cmd=nisa.reduce_cmd.reset_reduce,
-                       reduce_op=nl.maximum)
+    for h0, h1 in halves:            # the diagonal: column p - h0 of row p
+        nisa.select_reduce(dst=junk[h0:h1, 0:h1 - h0], predicate=sel[h0:h1, h0:h1],
+                           on_true=gram[h0:h1, 0:h1 - h0], on_false=FP32_MIN,
+                           reduce_res=ss[h0:h1, :], reduce_cmd=nisa.reduce_cmd.reset_reduce,
+                           reduce_op=nl.maximum)
     m = m_act
     if per_chunk:
         m = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
