@@ -68,6 +68,10 @@ V_BEHIND = (1, 2)     # V loads issued this many tiles behind K loads (row layou
                       # last tiles' chains start sooner (Llama-3-70B TP8 B=1 L=32K 45.0 -> 44.0 us
                       # Trn3, 60.6 -> 59.1 Trn2; B=8 L=8K paged 123.8 -> 122.1, 128.0 -> 126.3;
                       # 2 for every plan cost the Llama-3-8B rows 0.3-0.5%; all modeled)
+SWDGE_EVERY = 4       # one-KV-head paged plans: one page in 4 through the software DGE (Llama-3-70B
+                      # TP8 B=8 L=8K paged/64, Trn3 modeled: 122.1 us with every page on Sync; 1 in
+                      # 2 / 3 / 4 / 5 / 6 / 8: 166.7 / 111.0 / 100.0 / 102.9 / 105.8 / 108.9 us;
+                      # Trn2 126.3 -> 125.1 us; for every paged plan it cost MLA H=128 paged 1.9%)
 LAGS = (0, 1, 2, 3)   # pipeline lags (in jobs) of the stages K^T, QK^T + softmax, P^T, PV: every
                       # PSUM eviction has a whole step to finish before TensorE needs its result
 # Paged gather: "page" (a register-addressed DMA per page) models at 73% of the HBM roof on
@@ -321,6 +325,10 @@ class _Run:
         self.pairs = None
         if self.fp8 and not cfg.packed and not cfg.layout.paged:
             self.pairs = pair_heads(cfg.d)
+        # one KV head: a page is a few partitions, one small DMA per page and cache, and the Sync
+        # triggers bind (Llama-3-70B TP8 B=8 L=8K paged/64); one page in SWDGE_EVERY goes
+        # through the software DGE on GpSimd instead
+        self.swdge_every = SWDGE_EVERY if cfg.packed else 0
         # Q^T by hardware-DGE DMA transposes (2-byte q; the hwdge shape rule: s_q in {1, 2, 4,
         # 8, 16}, s_q G a multiple of 16, d <= 128)
         self.q_dma_t = (not self.pairs and cfg.d <= P and q.dtype.itemsize == 2
@@ -366,7 +374,7 @@ class _Run:
             zero = self.fp8 and which == "k"                            # K^T by matmul
             if lay.paged and self.cfg.gather == "page":
                 load_kv_tile_pages([(t, cache, zero)], lay, it.b, k0, n, idx[ii],
-                                   it.k0 // lay.block_size)
+                                   it.k0 // lay.block_size, swdge_every=self.swdge_every)
             else:
                 col = idx[ii][c // P][:, c % P:c % P + 1] if lay.paged else None
                 load_kv_tile(t, cache, lay, it.b, k0, n, col, zero_tail=zero)

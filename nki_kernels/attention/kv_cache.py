@@ -165,14 +165,18 @@ def load_kv_tile(dst, cache, lay: KVLayout, b: int, k0: int, n: int, idx=None, z
                                   vector_offset=idx[nfull:nfull + 1, :], indirect_dim=0))
 
 
-def load_kv_tile_pages(pairs, lay: KVLayout, b: int, k0: int, n: int, bt_sb, page0: int):
+def load_kv_tile_pages(pairs, lay: KVLayout, b: int, k0: int, n: int, bt_sb, page0: int,
+                       swdge_every: int = 0):
     """The paged form of :func:`load_kv_tile` with one DMA per page and cache: each page's
     physical number, an element of ``bt_sb [1, pages]`` (int32 SBUF: the sequence's block-table
     entries from ``page0`` on), addresses the page as a scalar dynamic offset (a (1, 1) SBUF
     offset, or a register loaded from it with PAGE_REG; any DGE, no per-row index
     descriptors), shared by K and V. Partitions
     ``[i R, (i + 1) R)`` of the tile get page ``i`` of the tile (``T`` tokens each; a partial last
-    partition gets the remaining keys). ``pairs``: ``(dst [128, T, H_kv, d], cache, zero_tail)``."""
+    partition gets the remaining keys). ``pairs``: ``(dst [128, T, H_kv, d], cache, zero_tail)``.
+    ``swdge_every`` k > 0: every k-th page's DMAs go through the software DGE (GpSimd builds their
+    descriptors) instead of a Sync trigger each, for callers whose page DMAs outrun the Sync
+    queue."""
     T, row, R, bs = lay.T, lay.row, lay.R, lay.block_size
     tok = lay.h_kv * lay.d
     nfull, rem = n // T, n % T
@@ -192,11 +196,14 @@ def load_kv_tile_pages(pairs, lay: KVLayout, b: int, k0: int, n: int, bt_sb, pag
         else:
             reg = bt_sb[0:1, j:j + 1]
         full = max(0, min(R, nfull - p0))
+        kw = {}
+        if swdge_every and i % swdge_every == swdge_every - 1:
+            kw = dict(dge_mode=nisa.dge_mode.swdge)
         for flat, pages in views:
             if full:
                 nisa.dma_copy(dst=flat[p0:p0 + full, :],
                               src=pages.ap([[row, full], [1, row]], offset=0, scalar_offset=reg,
-                                           indirect_dim=0))
+                                           indirect_dim=0), **kw)
             if rem and p0 <= nfull < p0 + R:
                 a = (nfull - p0) * row               # partition nfull inside the page
                 nisa.dma_copy(dst=flat[nfull:nfull + 1, 0:rem * tok],
