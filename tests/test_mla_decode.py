@@ -298,10 +298,11 @@ def test_mla_decode_fp8_per_token_lnc2():
         _check(qn, qr, kv, lens, table, kv_scale=ks, lnc=2, what="mla_decode fp8/token lnc=2")
 
 
-def test_mla_decode_lnc2_split():
-    """LNC=2: the long sequence is cut in parts run on both cores and merged."""
+@pytest.mark.parametrize("lens", [[2100, 40], [2048, 40]], ids=["partial-tail", "whole-tiles"])
+def test_mla_decode_lnc2_split(lens):
+    """LNC=2: the long sequence is cut in parts run on both cores and merged (whole tiles: every
+    part's tiles pack and its row state starts from the folded slots)."""
     rng = np.random.default_rng(6)
-    lens = [2100, 40]
     qn, qr, kv, table = _inputs(rng, 2, 1, 16, lens, 128)
     with target("trn3"):
         _check(qn, qr, kv, lens, table, lnc=2, what="mla_decode lnc=2")
