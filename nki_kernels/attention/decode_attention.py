@@ -44,6 +44,7 @@ from .kv_cache import (
 )
 from .masks import mask_range_select, scale_mask_max
 from .merge_attention_states import merge_states_sb
+from .schedule import drain
 from .softmax import M_FLOOR, SoftmaxState
 from .split_kv import (
     WorkItem,
@@ -269,17 +270,6 @@ def _tile_stream(mine, lay):
     return tiles
 
 
-def _weave(a, b, ratio):
-    """Run generators ``a`` and ``b`` to the end, ``ratio`` steps of ``a`` per step of ``b``."""
-    gens = [g for g in (a, b) if g is not None]
-    while gens:
-        for g, k in list(zip(gens, (ratio, 1) if len(gens) == 2 else (1,))):
-            for _ in range(k):
-                if next(g, StopIteration) is StopIteration:
-                    gens.remove(g)
-                    break
-
-
 def _table_row(block_table, it, lay, row):
     """The block-table entries of the pages item ``it`` reads: int32 SBUF ``[1, pages]``, one
     contiguous DMA (entries past the sequence's end are not read)."""
@@ -419,7 +409,7 @@ class _Run:
             # per step: A(j), B(j-1), C(j-2), D(j-3). (Weaving A's K^T transposes between D's
             # PV matmuls, for Trn3's background transposes, modeled slower: 112 vs 85 us on
             # Llama-3-8B B=1 L=8K -- A waits for its tile's DMA and held the PV matmuls back.)
-            _weave(gen_a, None, 1)
+            drain(gen_a)
             for stage in (1, 2):
                 ji = step - LAGS[stage]
                 if 0 <= ji < len(jobs):
@@ -428,7 +418,7 @@ class _Run:
                         (self.stage_softmax_packed if job.packed else self.stage_softmax)(job)
                     else:
                         (self.stage_pT_packed if job.packed else self.stage_pT)(job)
-            _weave(gen_d, None, 1)
+            drain(gen_d)
             if done is not None:
                 self.stage_accumulate(done)
                 j, gi = jobs[jd]
@@ -727,13 +717,9 @@ class _Run:
 
     def stage_accumulate(self, job):
         """o = alpha o + O (VectorE), issued after the step's other ScalarE/VectorE work."""
-        if job.packed:
-            job.grp.psm.flush_sum()      # l = alpha l + sum p, off the softmax's VectorE chain
-            job.grp.psm.accumulate_o(job.O, job.alpha, mode="stt", copy_engine="vector")
-        else:
-            job.grp.sm.flush_sum()       # l = alpha l + sum p, deferred off the softmax's chain
-            job.grp.sm.accumulate_o(job.O[0:job.grp.rows, :], job.alpha, mode="stt",
-                                    copy_engine="vector")
+        sm = job.grp.psm if job.packed else job.grp.sm      # (packed: all 128 slot rows)
+        sm.flush_sum()                   # l = alpha l + sum p, deferred off the softmax's chain
+        sm.accumulate_o(job.O[0:sm.rows, :], job.alpha, mode="stt", copy_engine="vector")
         job.O = None
 
     # -- packed tiles (one KV head: its rows repeated in every PE column tile) ----------------

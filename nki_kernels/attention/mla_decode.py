@@ -47,6 +47,7 @@ from ..backend import launch, nisa, nki, nl
 from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, load_kv_tile_pages, tokens_per_partition
 from .masks import scale_mask_max
 from .merge_attention_states import merge_states_sb
+from .schedule import drain, weave
 from .softmax import SoftmaxState
 from .split_kv import (
     empty_rows,
@@ -202,34 +203,6 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_sca
     return out
 
 
-def _steps(g, n):
-    """Advance generator ``g`` (or None) by up to ``n`` steps; None once it is exhausted."""
-    for _ in range(n):
-        if g is None or next(g, StopIteration) is StopIteration:
-            return None
-    return g
-
-
-def _drain(g):
-    """Run generator ``g`` (or None) to its end."""
-    for _ in g or ():
-        pass
-
-
-def _weave(a, b, ratio, c=None):
-    """Run generator ``b`` to its end with one step of ``c`` and then ``ratio`` steps of ``a``
-    after each of its steps; ``c`` is then run to its end, ``a`` left where it stops (any may be
-    None; with ``b`` None and ``ratio`` 1, ``a`` is run to its end)."""
-    if b is None:
-        if ratio == 1:
-            _drain(a)
-    else:
-        for _ in b:
-            c = _steps(c, 1)
-            a = _steps(a, ratio)
-    _drain(c)
-
-
 class _Group:
     """One row group of one work item: Q^T, its row bounds, its softmax state."""
 
@@ -349,7 +322,7 @@ class _Run:
             # transpose runs beside a matmul there (background transposes), and P^T issued
             # as a block stalled the PV matmuls behind it (modeled, DeepSeek-V3 H=128 L=32K
             # Trn3: 150.6 -> 142.6 us; on Trn2 it costs 0-8%, so P^T goes first there)
-            _weave(gen_a, gen_b, WEAVE)
+            weave(gen_a, gen_b, WEAVE)
             jc = step - LAGS[2]
             gen_c = None
             if 0 <= jc < len(jobs):
@@ -359,10 +332,10 @@ class _Run:
                 else:
                     gen_c = self.stage_pT(job)
                     if not self.bg_transpose:
-                        _drain(gen_c)
+                        drain(gen_c)
                         gen_c = None
-            _weave(gen_a, gen_d, WEAVE, gen_c)
-            _weave(gen_a, None, 1)
+            weave(gen_a, gen_d, WEAVE, gen_c)
+            drain(gen_a)
             if done is not None:
                 j, g = jobs[jd]
                 ii, k0, n, last = tiles[j]

@@ -1,7 +1,9 @@
 """Tile scheduling for attention kernels: which key blocks each query tile visits.
 
 Pure Python on shapes, run at trace time (NKI specialisation), shared by flash attention (prefill),
-flash-decoding and paged attention. Nothing here reads tensor values.
+flash-decoding and paged attention; and the trace-time issue order of a software pipeline's
+stages written as generators (:func:`weave`, decode and MLA decode). Nothing here reads tensor
+values.
 
 Vocabulary:
 
@@ -186,3 +188,34 @@ def prefill_units(spec: MaskSpec, batch: int, n_kv_heads: int, kb: int, chunk: i
                 if any(v is not None for v in visits):
                     units.append(Unit(b, hk, q0, r, visits))
     return units
+
+
+# ------------------------------------------------- issue order of a software pipeline's stages
+# A stage written as a generator yields between its instructions; the helpers below interleave
+# stages at trace time, which fixes the order each engine's in-order queue receives them in.
+def steps(g, n):
+    """Advance generator ``g`` (or None) by up to ``n`` steps; None once it is exhausted."""
+    for _ in range(n):
+        if g is None or next(g, StopIteration) is StopIteration:
+            return None
+    return g
+
+
+def drain(g):
+    """Run generator ``g`` (or None) to its end."""
+    for _ in g or ():
+        pass
+
+
+def weave(a, b, ratio, c=None):
+    """Run generator ``b`` to its end with one step of ``c`` and then ``ratio`` steps of ``a``
+    after each of its steps; ``c`` is then run to its end, ``a`` left where it stops (any may be
+    None; with ``b`` None and ``ratio`` 1, ``a`` is run to its end)."""
+    if b is None:
+        if ratio == 1:
+            drain(a)
+    else:
+        for _ in b:
+            c = steps(c, 1)
+            a = steps(a, ratio)
+    drain(c)
