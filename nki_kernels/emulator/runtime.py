@@ -471,8 +471,15 @@ def current_core() -> Core:
 
 
 def run_threads(fn, n, name):
-    """``fn(i)`` for ``i`` in ``range(n)``, one thread each (named ``name-i``); waits for all."""
-    threads = [threading.Thread(target=fn, args=(i,), name=f"{name}-{i}") for i in range(n)]
+    """``fn(i)`` for ``i`` in ``range(n)``, one thread each (named ``name-i``), each following
+    the caller's NKI version; waits for all."""
+    from . import versions
+    follow = versions.inherited()
+
+    def run(i):
+        with follow():
+            fn(i)
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}") for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:

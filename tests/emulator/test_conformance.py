@@ -139,6 +139,23 @@ def test_jit_mode_trace_under_03_warns_and_runs():
         jit(mode="trace")(lambda x: None)
 
 
+def test_lnc2_programs_follow_the_callers_version(monkeypatch):
+    """The programs of an LNC=2 launch run in threads of their own: each follows the version set
+    around the call (a thread-local nki_version, as the --vs-nkilib bench sets 0.3)."""
+    monkeypatch.delenv(versions.ENV, raising=False)
+    seen = []
+
+    @jit
+    def k(x):
+        seen.append(versions.current())
+        return None
+
+    with versions.nki_version("0.3"):
+        k[2](np.zeros((1, 1), np.float32))
+    k[2](np.zeros((1, 1), np.float32))
+    assert seen == ["0.3", "0.3", "0.7", "0.7"]
+
+
 def test_string_dtype_only_before_07():
     with versions.nki_version("0.3"):
         with warnings.catch_warnings():
