@@ -66,6 +66,13 @@ def check_target(op, supported=("trn2", "trn3")) -> int:
     return gen
 
 
+def check_lnc(op, lnc) -> int:
+    """``lnc``: 1, or 2 (the two physical cores of a logical NeuronCore)."""
+    if isinstance(lnc, bool) or lnc not in (1, 2):
+        raise ValueError(f"{op}: lnc must be 1 or 2; got {lnc!r}")
+    return int(lnc)
+
+
 def check_eps(op, eps, name="eps") -> float:
     """A finite float > 0 (eps = 0 turns an all-zero row into inf / NaN); not a bool."""
     ok = isinstance(eps, (int, float, np.floating, np.integer)) and not isinstance(eps, bool)

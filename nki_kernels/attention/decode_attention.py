@@ -30,7 +30,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._validate import attention_options, check_block_table, check_decode_lens, check_window
+from .._validate import (
+    attention_options,
+    check_block_table,
+    check_decode_lens,
+    check_lnc,
+    check_window,
+)
 from ..backend import launch, nisa, nki, nl
 from .kv_cache import (
     BLOCK_SIZES,
@@ -825,8 +831,7 @@ def _check_inputs(q, k_cache, v_cache, seq_lens, block_table, window, lnc):
     else:
         bt, bs = check_block_table(op, block_table, sl, k_cache.shape, BLOCK_SIZES)
     check_window(op, window)
-    if lnc not in (1, 2):
-        raise ValueError(f"{op}: lnc must be 1 or 2; got {lnc!r}")
+    check_lnc(op, lnc)
     return B, s_q, Hq, d, Hkv, sl, bt, bs
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._limits import P, sbuf_budget
-from .._validate import array_like, check_flag, check_no_grad, check_target
+from .._validate import array_like, check_flag, check_lnc, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from ..backend import launch, nisa, nki, nl
 from .masks import MaskSpec, mask_range_select, row_bounds
@@ -821,8 +821,7 @@ def _check_inputs(q, k, v, causal, scale, window, softcap, sinks, k_layout, lnc)
         if shp != (Hq,):
             raise ValueError(f"flash_attention: sinks must have shape (H_q,) = ({Hq},); got "
                              f"shape {shp}: {sinks!r}"[:300])
-    if lnc not in (1, 2):
-        raise ValueError(f"flash_attention: lnc must be 1 or 2; got {lnc!r}")
+    check_lnc("flash_attention", lnc)
     return B, Hq, Sq, d, Hkv, Skv, dn
 
 

@@ -38,6 +38,7 @@ import numpy as np
 from .._validate import (
     check_block_table,
     check_decode_lens,
+    check_lnc,
     check_target,
     dtype_name,
     is_torch,
@@ -736,8 +737,7 @@ def mla_decode(q_nope, q_rope, kv_cache, seq_lens, *, block_table=None, scale, k
     scale = _positive("scale", scale)
     if isinstance(return_lse, (bool, np.bool_)) is False:
         raise TypeError(f"{OP}: return_lse must be a bool; got {return_lse!r}")
-    if lnc not in (1, 2) or isinstance(lnc, bool):
-        raise ValueError(f"{OP}: lnc must be 1 or 2; got {lnc!r}")
+    check_lnc(OP, lnc)
     N0, S1 = int(shp[0]), int(shp[1])
     sl = check_decode_lens(OP, seq_lens, B, s_q)
     bt = bs = None

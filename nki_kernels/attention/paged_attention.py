@@ -40,6 +40,7 @@ from .._validate import (
     attention_options,
     check_block_table,
     check_flag,
+    check_lnc,
     check_no_grad,
     check_target,
     check_window,
@@ -182,8 +183,7 @@ def plan_paged_attention(seq_lens, query_start_loc, block_size, num_q_heads, num
         raise ValueError(f"{op}: block_size must be one of {', '.join(map(str, BLOCK_SIZES))} (or "
                          f"None: contiguous cache); got {block_size!r}")
     check_window(op, window)
-    if lnc not in (1, 2):
-        raise ValueError(f"{op}: lnc must be 1 or 2; got {lnc!r}")
+    check_lnc(op, lnc)
     fp8 = FP8_KV.get(gen, FP8_KV[4])
     kv_name = str(kv_dtype).replace("torch.", "")
     if kv_name not in (*_Q_DTYPES, fp8):
@@ -488,8 +488,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     T, Hq, d, Hkv, bs, sl, qsl, bt = _check_inputs(op, q, k_cache, v_cache, block_table,
                                                    seq_lens, query_start_loc)
     check_window(op, window)
-    if lnc not in (1, 2):
-        raise ValueError(f"{op}: lnc must be 1 or 2; got {lnc!r}")
+    check_lnc(op, lnc)
     qn, kn, is_fp8, ks, vs, scale, softcap, sk = attention_options(
         op, gen, q, k_cache, v_cache, Hq, Hkv, d, scale, softcap, sinks, k_scale, v_scale)
     isz = 1 if is_fp8 else 2

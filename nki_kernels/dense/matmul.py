@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._limits import P, sbuf_budget
-from .._validate import check_no_grad, check_target
+from .._validate import check_lnc, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from .._validate import is_torch as _is_torch
 from ..backend import launch, nisa, nki, nl
@@ -337,8 +337,7 @@ def matmul(a, b, *, out_dtype=None, lnc: int = 1):
         raise TypeError(f"matmul: a.dtype must be one of {', '.join(_SUPPORTED)}; got {an}")
     if bn != an:
         raise TypeError(f"matmul: b.dtype must equal a.dtype ({an}); got {bn}")
-    if lnc not in (1, 2):
-        raise ValueError(f"matmul: lnc must be 1 or 2; got {lnc}")
+    check_lnc("matmul", lnc)
     double_row = an in _FP8
     if an == "float8_e4m3fn" and gen < 4:
         raise ValueError("matmul: float8_e4m3fn inputs need Trn3; on Trn2 use float8_e4m3")

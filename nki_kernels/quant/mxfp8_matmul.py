@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._limits import P, sbuf_budget
-from .._validate import GEN_NAMES, check_no_grad, check_target
+from .._validate import GEN_NAMES, check_lnc, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from .._validate import is_torch as _is_torch
 from ..backend import launch, nisa, nki, nl
@@ -526,8 +526,7 @@ def mxfp8_matmul(a, b, *, out_dtype="bfloat16", fmt="e4m3fn", lnc: int = 1):
     if out_dtype not in ("bfloat16", "float32"):
         raise ValueError(f"mxfp8_matmul: out_dtype must be 'bfloat16' or 'float32'; got "
                          f"{out_dtype!r}")
-    if lnc not in (1, 2):
-        raise ValueError(f"mxfp8_matmul: lnc must be 1 or 2; got {lnc}")
+    check_lnc("mxfp8_matmul", lnc)
     budget = sbuf_budget()
     plan = plan_mx(M, K, N, a_s is None, b_s is None, 2 if out_dtype == "bfloat16" else 4, lnc,
                    budget)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._limits import P, sbuf_budget
-from .._validate import check_eps, check_no_grad, check_target
+from .._validate import check_eps, check_lnc, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from ..backend import launch, nisa, nki, nl
 from .mxfp8_matmul import CHUNK, MXTensor
@@ -793,8 +793,7 @@ def rmsnorm_quant(x, gamma, *, residual=None, eps=1e-6, quant="fp8", fp8_dtype=N
             raise TypeError(f"rmsnorm_quant: residual must be bfloat16; got "
                             f"{_dtype_name(residual)}")
     check_eps("rmsnorm_quant", eps)
-    if lnc not in (1, 2):
-        raise ValueError(f"rmsnorm_quant: lnc must be 1 or 2; got {lnc}")
+    check_lnc("rmsnorm_quant", lnc)
     budget = sbuf_budget()
     gbytes = 2 if _dtype_name(gamma) == "bfloat16" else 4
     plan = plan_rmsnorm_quant(T, H, quant, residual is not None, gbytes, budget)
