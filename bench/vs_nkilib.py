@@ -643,12 +643,6 @@ def _theirs_decode_attention(lib, case, inputs, lnc, variant=""):
 # --- fused_moe
 
 
-def _ours_fused_moe(case, lnc):
-    if lnc != 1:
-        raise NoEquivalent("our fused_moe runs on one NeuronCore (no LNC 2)")
-    return case.run
-
-
 def moe_weights_to_theirs(wgu, wd, gu_scale=None, d_scale=None):
     """Our experts (w_gate_up [E, H, 2I]: gate columns [0, I), up [I, 2I); w_down [E, I, H];
     FP8 per-column scales [E, 2I] / [E, H]) as NKI Library's moe_tkg operands: gate_up
@@ -681,23 +675,36 @@ def moe_routing_to_theirs(weights, ids, n_experts):
 
 
 def _theirs_fused_moe(lib, case, inputs, lnc, variant=""):
+    """moe_tkg (variants "selective", "all") at decode T <= 128, moe_cte (variants "cte256",
+    "cte512": its block size) at prefill; the other regime's variants are OtherRegime, and a
+    reason that holds for every variant of the regime gives one row (its first variant)."""
     T, E = case.dims["T"], case.dims["E"]
-    if case.dtype == "mx":
-        raise NoEquivalent("their MX moe_tkg takes MXFP4 / MXFP8 experts in its own layout "
-                           "([E, 128, 2, H/512, I] x4 with [E, 16, 2, H/512, I] scales); a "
-                           "converter from ours is not written")
-    x, w, ids, wgu, wd, *rest = inputs
+    prefill = T > 128
+    if variant.startswith("cte") != prefill:
+        raise OtherRegime(f"T = {T}: {'prefill is moe_cte' if prefill else 'decode is moe_tkg'}")
     fp8 = case.dtype == "fp8"   # bench/defs/fused_moe.py: (x, w, ids, wgu, wd, *shared, *scales)
+    x, w, ids, wgu, wd, *rest = inputs
     n_shared = 2 if len(rest) == (6 if fp8 else 2) else 0
-    if n_shared:
-        raise NoEquivalent("moe_tkg has no shared expert (this layer has one)")
-    if T > 128:
-        if variant == "all":
-            raise OtherRegime(f"T = {T}: prefill")
-        raise NoEquivalent(f"T = {T}: moe_tkg serves decode (selective experts: T <= 128); "
-                           f"the prefill kernel moe_cte is not paired yet")
-    if np.asarray(ids).max() >= E:
-        raise NoEquivalent(f"expert parallelism ({E} local experts): not paired")
+    kernel = "moe_cte" if prefill else "moe_tkg"
+    reason = None
+    if case.dtype == "mx":
+        layout = ("shard_on_block_mx's" if prefill else
+                  "[E, 128, 2, H/512, I] x4 with [E, 16, 2, H/512, I] scales")
+        reason = (f"their MX {kernel} takes MXFP4 / MXFP8 experts in its own layout ({layout}); "
+                  f"a converter from ours is not written")
+    elif n_shared:
+        reason = f"{kernel} has no shared expert (this layer has one)"
+    elif np.asarray(ids).max() >= E:
+        reason = f"expert parallelism ({E} local experts): not paired"
+    elif prefill and lnc == 1:
+        reason = MOE_CTE_LNC1
+    elif prefill and fp8:
+        reason = ("moe_cte's FP8 weights are quantized per tensor or per channel in its own "
+                  "scale layout ([E, 1, 2I] / [E, 1, H]); a converter from ours is not written")
+    if reason is not None:
+        raise (NoEquivalent if variant in ("selective", "cte256") else OtherRegime)(reason)
+    if prefill:
+        return _theirs_moe_cte(lib, case, x, w, ids, wgu, wd, block=int(variant[3:]))
     m = load(lib, "core.moe.moe_tkg.moe_tkg")
     types = load(lib, "core.utils.common_types")
     scales = rest[n_shared:n_shared + 2]
@@ -716,6 +723,61 @@ def _theirs_fused_moe(lib, case, inputs, lnc, variant=""):
     return Launch.one(f"moe_tkg ({mode}, POST_SCALE{', ROW fp8' if scales else ''})",
                       _jit(m.moe_tkg), (np.asarray(x), ws[0], ws[1], aff, idx), kw,
                       lambda out: np.asarray(out[0] if isinstance(out, (list, tuple)) else out))
+
+
+MOE_CTE_LNC1 = ("moe_cte runs on two cores only (LNC 2): its shard-on-I path exchanges each "
+                "block's partial sums with the other core by sendrecv (at LNC 1 it fails, "
+                "IndexError in compute_down_proj_shard_on_intermediate) and shard-on-block "
+                "splits the blocks between two cores; the LNC=2 row compares it")
+
+
+def moe_blocks_to_theirs(weights, ids, n_experts, block):
+    """Our routing (top-k weights [T, k], expert ids [T, k]) as moe_cte's blockwise plan, with
+    the fewest blocks this routing needs (their tests size N for the worst case,
+    ceil((T k - (E - 1)) / B) + E - 1, whose extra blocks their kernel computes as padding; the
+    exact N is the lower bound of their time): each expert's tokens in token order, in blocks
+    of ``block`` slots, padding slots pointing at the zero row T.
+    Returns (token_position_to_id [N B] int32, block_to_expert [N, 1] int32, dense affinities
+    [T + 1, E] float32 with row T zero)."""
+    w = np.asarray(weights, np.float32)
+    ids = np.asarray(ids).astype(np.int64)
+    T, k = ids.shape
+    pos, b2e = [], []
+    for e in range(n_experts):
+        toks = np.nonzero((ids == e).any(axis=1))[0]
+        nb = -(-len(toks) // block)
+        if nb == 0:
+            continue
+        slots = np.full(nb * block, T, np.int32)
+        slots[:len(toks)] = toks
+        pos.append(slots)
+        b2e += [e] * nb
+    aff = np.zeros((T + 1, n_experts), np.float32)
+    np.put_along_axis(aff[:T], ids, w, axis=1)
+    return (np.concatenate(pos).astype(np.int32), np.asarray(b2e, np.int32).reshape(-1, 1), aff)
+
+
+def _theirs_moe_cte(lib, case, x, w, ids, wgu, wd, block):
+    """NKI Library's prefill MoE at LNC 2, ``moe_cte`` with its shard-on-I implementation (I split
+    between the cores; shard-on-block, the other bf16 one, shards blocks), POST_SCALE, SiLU, the
+    fewest blocks of ``block`` tokens this routing needs (moe_blocks_to_theirs)."""
+    m = load(lib, "core.moe.moe_cte.moe_cte")
+    types = load(lib, "core.utils.common_types")
+    T, H = np.asarray(x).shape
+    E = case.dims["E"]
+    tpos, b2e, aff = moe_blocks_to_theirs(w, ids, E, block)
+    ws = moe_weights_to_theirs(wgu, wd)
+    hidden = np.zeros((T + 1, H), np.asarray(x).dtype)
+    hidden[:T] = x
+    with _nki03():
+        spec = m.MoECTESpec(implementation=m.MoECTEImplementation.shard_on_i)
+    kw = dict(block_size=block, spec=spec,
+              expert_affinities_scaling_mode=types.ExpertAffinityScaleMode.POST_SCALE,
+              activation_function=types.ActFnType.SiLU,
+              is_tensor_update_accumulating=case.dims["k"] != 1)
+    return Launch.one(f"moe_cte (shard_on_i, {b2e.shape[0]} blocks of {block}, POST_SCALE)",
+                      m.moe_cte, (hidden, aff.reshape(-1, 1), ws[0], ws[1], tpos, b2e), kw,
+                      lambda out: np.asarray(out[0] if isinstance(out, (list, tuple)) else out)[:T])
 
 
 MOE_FP8_COSINE = 0.999          # bench/defs/swiglu_mlp.py's FP8 rule (FP8_COSINE)
@@ -774,8 +836,9 @@ PAIRS = {
                             _theirs_flash_attention),
     "decode_attention": Pair("decode_attention", "core/attention", (1, 2), _ours_own_lnc,
                              _theirs_decode_attention, ("", "kT"), own_lnc=True),
-    "fused_moe": Pair("fused_moe", "core/moe", (1,), _ours_fused_moe, _theirs_fused_moe,
-                      ("selective", "all"), check=_fused_moe_fp8_check),
+    "fused_moe": Pair("fused_moe", "core/moe", (1, 2), _ours_own_lnc, _theirs_fused_moe,
+                      ("selective", "all", "cte256", "cte512"), own_lnc=True,
+                      check=_fused_moe_fp8_check),
 }
 
 

@@ -46,8 +46,8 @@ def _case(rng, T, H, I, E, k):
     return x, wgu.astype(BF16), wd.astype(BF16), w, ids
 
 
-def _run(x, wgu, wd, w, ids, regime=None, **kw):
-    y = fused_moe(x, wgu, wd, w, ids, regime=regime, **kw)
+def _run(x, wgu, wd, w, ids, regime=None, lnc=1, **kw):
+    y = fused_moe(x, wgu, wd, w, ids, regime=regime, lnc=lnc, **kw)
     assert y.shape == x.shape and y.dtype == BF16
     assert_rows_close(y, fused_moe_ref(x, wgu, wd, w, ids, **kw), what=f"y ({regime})")
     return y
@@ -200,6 +200,77 @@ def test_fp8(tgt, rng, regime, tiled, shared):
             args["shared"] = tuple(tile_weight(a) for a in kw["shared"])
     y = fused_moe(x, g8, d8, w, ids, regime=regime, **args)
     assert cosine_similarity(y.astype(np.float32), ref.astype(np.float32)) > 0.999
+
+
+# ---------------------------------------------------------------------------- LNC 2 (prefill)
+def test_prefill_plan_for_two_cores():
+    """Each expert's blocks all on one core, the experts dealt largest first to the core with
+    less work; the two cores' blocks are exactly the one-core plan's."""
+    rng = np.random.default_rng(3)
+    T, E = 600, 6
+    lids = np.stack([rng.choice(E, 2, replace=False) for _ in range(T)])
+    w = np.full((T, 2), 0.5, np.float32)
+    one, _ = plan_prefill_routing(lids, w, E, 128)
+    two, _ = plan_prefill_routing(lids, w, E, 128, cores=2)
+    NB = one[0].shape[1]
+    assert two[0].shape == (2, NB) and two[1].shape == (2, 2) and two[2].shape == (2 * NB, 128)
+    n = two[1][:, 0]
+    assert n.sum() == one[1][0, 0] and abs(int(n[0]) - int(n[1])) <= 2
+    assert two[1][:, 1].tolist() == [max(int(c) - 1, 0) for c in n]
+    experts = [set(two[0][c, :n[c]].tolist()) for c in range(2)]
+    assert not experts[0] & experts[1] and experts[0] | experts[1] == set(range(E))
+
+    def blocks(pl, rows):
+        return sorted((int(pl[0].ravel()[r]), tuple(pl[3][r])) for r in rows)
+    rows2 = [c * NB + b for c in range(2) for b in range(n[c])]
+    flat = (two[0].ravel(), None, None, two[3])
+    assert blocks(flat, rows2) == blocks(one, range(one[1][0, 0]))
+
+
+@pytest.mark.parametrize("case", ["random", "tail", "one_expert", "shared"])
+def test_prefill_lnc2(tgt, rng, case):
+    """LNC 2: each core its experts and accumulator, the sum after a core barrier. Uneven loads
+    with tail blocks; all tokens on one expert (the other core runs no block); a shared expert
+    (token blocks alternate between the cores)."""
+    T, kw = 150, {}
+    x, wgu, wd, w, ids = _case(rng, T, 256, 128, 4, 2)
+    if case == "tail":
+        T = 310
+        x, wgu, wd, _, _ = _case(rng, T, 256, 128, 4, 1)
+        ids = np.where(np.arange(T) < 300, 1, 3).astype(np.int32)[:, None]
+        w = rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32)
+    elif case == "one_expert":
+        ids = np.full((T, 1), 2, np.int32)
+        w = rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32)
+    elif case == "shared":
+        x, wgu, wd, w, ids = _case(rng, 300, 256, 128, 4, 2)
+        sg, sd = _weights(rng, 1, 256, 256)
+        kw["shared"] = (sg[0].astype(BF16), sd[0].astype(BF16))
+    _run(x, wgu, wd, w, ids, "prefill", lnc=2, **kw)
+
+
+def test_prefill_lnc2_fp8_and_mx(rng):
+    dtype = E4M3FN
+    x, g8, d8, w, ids, kw = _fp8_case(rng, 140, 256, 256, 4, 2, dtype, shared=True)
+    ref = fused_moe_ref(x, g8, d8, w, ids, act_dtype=dtype, **kw)
+    with target("trn3"):
+        y = fused_moe(x, g8, d8, w, ids, regime="prefill", lnc=2, **kw)
+    assert cosine_similarity(y.astype(np.float32), ref.astype(np.float32)) > 0.999
+    x, g, d, w, ids, kw = _mx_case(rng, 150, 256, 768, 4, 2, 128)
+    with target("trn3"):
+        y = fused_moe(x, g, d, w, ids, regime="prefill", lnc=2, **kw)
+    ref = fused_moe_ref(x, tuple(g), tuple(d), w, ids,
+                        shared=tuple(tuple(a) for a in kw["shared"]))
+    assert_rows_close(y, ref, what="y (MX, prefill, LNC 2)")
+
+
+def test_lnc_refusals(rng):
+    x, wgu, wd, w, ids = _case(rng, 8, 256, 128, 4, 2)
+    with pytest.raises(ValueError, match=r"fused_moe: lnc=2 is implemented for the prefill "
+                                         r"regime; this call is decode"):
+        fused_moe(x, wgu, wd, w, ids, lnc=2)
+    with pytest.raises(ValueError, match=r"fused_moe: lnc must be 1 or 2; got 3"):
+        fused_moe(x, wgu, wd, w, ids, regime="prefill", lnc=3)
 
 
 def test_tiled_bf16_gives_the_same_bits(rng):

@@ -441,12 +441,36 @@ def test_decode_skewed_batch_and_moe_variants_have_no_equivalent():
     with pytest.raises(V.NoEquivalent, match="shared expert"):
         V._theirs_fused_moe(None, c, (x, None, ids, None, None, "sg", "sd"), 1, "selective")
     with pytest.raises(V.NoEquivalent, match="MX"):
-        V._theirs_fused_moe(None, _case("fused_moe", "mx", T=4, E=8), (x,), 1, "selective")
+        V._theirs_fused_moe(None, _case("fused_moe", "mx", T=4, E=8), (x, None, ids, None, None),
+                            1, "selective")
     big = _case("fused_moe", T=4096, E=8)
-    with pytest.raises(V.OtherRegime):
-        V._theirs_fused_moe(None, big, (x, None, ids, None, None), 1, "all")
-    with pytest.raises(V.NoEquivalent, match="moe_cte is not paired"):
-        V._theirs_fused_moe(None, big, (x, None, ids, None, None), 1, "selective")
+    for variant in ("selective", "all"):          # prefill: moe_cte's variants
+        with pytest.raises(V.OtherRegime):
+            V._theirs_fused_moe(None, big, (x, None, ids, None, None), 1, variant)
+    with pytest.raises(V.OtherRegime):            # decode: moe_tkg's
+        V._theirs_fused_moe(None, c, (x, None, ids, None, None), 1, "cte256")
+    # a reason every variant shares gives one row: the regime's first variant
+    with pytest.raises(V.NoEquivalent, match="two cores only"):
+        V._theirs_fused_moe(None, big, (x, None, ids, None, None), 1, "cte256")
+    with pytest.raises(V.OtherRegime, match="two cores only"):
+        V._theirs_fused_moe(None, big, (x, None, ids, None, None), 1, "cte512")
+    with pytest.raises(V.NoEquivalent, match="moe_cte has no shared expert"):
+        V._theirs_fused_moe(None, big, (x, None, ids, None, None, "sg", "sd"), 2, "cte256")
+    fp8 = _case("fused_moe", "fp8", T=4096, E=8)
+    with pytest.raises(V.NoEquivalent, match="moe_cte's FP8 weights"):
+        V._theirs_fused_moe(None, fp8, (x, None, ids, None, None, "s1", "s2"), 2, "cte256")
+
+
+def test_moe_cte_blocks():
+    """Each expert's tokens in token order in blocks of B, padding slots at row T; the fewest
+    blocks; dense affinities with a zero padding row."""
+    ids = np.array([[0, 2], [2, 1], [0, 2], [2, 0]], np.int32)
+    w = np.array([[0.3, 0.7], [0.6, 0.4], [0.5, 0.5], [0.9, 0.1]], np.float32)
+    tpos, b2e, aff = V.moe_blocks_to_theirs(w, ids, 4, 2)
+    assert b2e.ravel().tolist() == [0, 0, 1, 2, 2]       # expert 3: no block
+    assert tpos.tolist() == [0, 2, 3, 4, 1, 4, 0, 1, 2, 3]
+    assert aff.shape == (5, 4) and not aff[4].any()
+    assert aff[1, 2] == np.float32(0.6) and aff[3, 0] == np.float32(0.1) and aff[0, 1] == 0
 
 
 def test_moe_adapters_layout_and_routing():

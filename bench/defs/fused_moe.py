@@ -20,6 +20,9 @@ MXFP8 rows (Trn3 only, ``shapes.MOE_MX_TARGETS``: Qwen3-30B-A3B T = 1, 8, 64, 40
 DeepSeek-V3 EP8 T = 8, 4096) take the experts from ``quantize_expert_weights_mx`` (the MX tile
 layout, 1 byte per weight + 1/32 scale byte) and are measured against the MX TensorE peak (4x
 bf16) and the HBM roof.
+
+LNC=2 rows (the prefill shapes, every dtype): ``fused_moe(lnc=2)`` deals the experts to the two
+cores of a logical NeuronCore; roofs are those of two cores.
 """
 from __future__ import annotations
 
@@ -93,7 +96,7 @@ def _mx_expert_weights(rng, E, H, I):
     return out
 
 
-def moe_case(s: shapes.MoEShape, dtype: str = "bf16") -> BenchCase:
+def moe_case(s: shapes.MoEShape, dtype: str = "bf16", lnc: int = 1) -> BenchCase:
     T, H, I, k = s.tokens, s.hidden, s.intermediate, s.top_k
     E = s.n_local or s.n_experts
     Is = s.shared_intermediate
@@ -130,8 +133,8 @@ def moe_case(s: shapes.MoEShape, dtype: str = "bf16") -> BenchCase:
                 kw.update(shared_scales=(scales[2], scales[3]))
         return kw
 
-    def run(x, w, ids, wgu, wd, *rest):
-        return fused_moe(x, wgu, wd, w, ids, **extra_kw(rest))
+    def run(x, w, ids, wgu, wd, *rest, lnc=lnc):
+        return fused_moe(x, wgu, wd, w, ids, lnc=lnc, **extra_kw(rest))
 
     def check(inputs, y):
         if fp8:     # W8A8: the reference quantizes x and h per token as the kernel does
@@ -164,7 +167,7 @@ def moe_case(s: shapes.MoEShape, dtype: str = "bf16") -> BenchCase:
         dtype=dtype, make_inputs=make_inputs, run=run,
         flops=flops_fused_moe(n_assign, H, I, T, Is),
         bytes=bytes_fused_moe(T, H, I, n_distinct, k, 1 if fp8 else 2, Is, mx=mx),
-        roof_kind="mx" if mx else "fp8" if fp8 else "bf16", check=check,
+        roof_kind="mx" if mx else "fp8" if fp8 else "bf16", check=check, lnc=lnc,
         goal={"trn3": 80.0 if decode else 75.0} if s in shapes.MOE_TARGETS else None)
 
 
@@ -179,6 +182,11 @@ def cases(tier: str, target: str):
         if target == "trn3":
             for s in shapes.MOE_MX_TARGETS:
                 yield moe_case(s, "mx")
+        # LNC 2 (prefill): the experts dealt to the two cores
+        for dtype in ("bf16", "fp8") + (("mx",) if target == "trn3" else ()):
+            for s in (shapes.MOE_MX_TARGETS if dtype == "mx" else shapes.MOE_TARGETS):
+                if s.tokens > DECODE_T_MAX:
+                    yield moe_case(s, dtype, lnc=2)
         return
     for s in t.moe:
         yield moe_case(s, "bf16")

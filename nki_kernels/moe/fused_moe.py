@@ -36,6 +36,7 @@ from .._validate import (
     GEN_NAMES,
     check_2d,
     check_dtype,
+    check_lnc,
     check_no_grad,
     check_target,
     dtype_name,
@@ -215,15 +216,19 @@ def choose_blocks(counts, tb_cap, ridge=RIDGE_TOKENS):
     return (best[2], best[3]) if best else (TB_CHOICES[0], 0)
 
 
-def plan_prefill_routing(lids, w, n_local, tb, tt=0):
+def plan_prefill_routing(lids, w, n_local, tb, tt=0, cores=1, ridge=RIDGE_TOKENS):
     """Prefill routing plan: per chosen expert, ``split_expert`` blocks of ``tb`` tokens and
     tail blocks of ``tt`` tokens. Returns one plan per block size (the tail plan None when
-    ``tt`` = 0): (block_expert [1, NB] int32, count [1, 1] int32, gather [NB, b] int32, scatter
-    [NB, b] int32, weight [NB, b] fp32); count is ``[[n, max(n - 1, 0)]]`` (the blocks, and the
-    iterations of the kernel's pipelined loop). Padding slots gather a real token of the block
-    (weight 0) and scatter to row T (out of bounds: skipped). NB = ceil(T*k / tb) + min(E, T*k)
-    + 1 full block slots, min(E, T*k) * (tb // tt) + 1 tail slots (at least 2 each): shapes
-    depend on (T, k, E) only."""
+    ``tt`` = 0): (block_expert [cores, NB] int32, count [cores, 2] int32, gather [cores NB, b]
+    int32, scatter [cores NB, b] int32, weight [cores NB, b] fp32), core c's plan in row c of
+    the first two and rows [c NB, (c + 1) NB) of the others; count is ``[n, max(n - 1, 0)]``
+    (the blocks, and the iterations of the kernel's pipelined loop). Padding slots gather a real
+    token of the block (weight 0) and scatter to row T (out of bounds: skipped).
+    NB = ceil(T*k / tb) + min(E, T*k) + 1 full block slots, min(E, T*k) * (tb // tt) + 1 tail
+    slots (at least 2 each): shapes depend on (T, k, E, cores) only.
+    ``cores`` > 1 (LNC 2): each expert's blocks all go to one core (its weights are read once),
+    the experts dealt largest first to the core with the least work so far (``ridge``: the
+    plan model of choose_blocks)."""
     T, k = lids.shape
     c = _combine(lids, w, n_local)
     A = T * k
@@ -234,25 +239,38 @@ def plan_prefill_routing(lids, w, n_local, tb, tt=0):
         sizes.append((tt, max(2, min(n_local, A) * (tb // tt) + 1)))
     plans = []
     for b, NB in sizes:
-        plans.append([np.zeros((1, NB), np.int32), 0, np.zeros((NB, b), np.int32),
-                      np.full((NB, b), T, np.int32), np.zeros((NB, b), np.float32)])
+        plans.append([np.zeros((cores, NB), np.int32), [0] * cores,
+                      np.zeros((cores * NB, b), np.int32), np.full((cores * NB, b), T, np.int32),
+                      np.zeros((cores * NB, b), np.float32), NB])
+    work = []
     for e in np.unique(lids[lids >= 0]):
         toks = np.unique(np.nonzero(lids == e)[0])
         f, t = split_expert(toks.size, tb, tt)
+        cost = max(f * tb + t * tt, ridge * (f + t)) + BLOCK_COST * (f + t)
+        work.append((cost, int(e), toks, f, t))
+    load = [0] * cores
+    owner = {}
+    for cost, e, *_ in sorted(work, key=lambda a: (-a[0], a[1])):
+        core = min(range(cores), key=lambda i: (load[i], i))
+        owner[e] = core
+        load[core] += cost
+    for _, e, toks, f, t in work:          # in expert order within each core
+        core = owner[e]
         starts = [(0, b0, tb) for b0 in range(0, f * tb, tb)]
         starts += [(1, f * tb + j * tt, tt) for j in range(t)]
         for which, b0, b in starts:
             pl = plans[which]
             tk = toks[b0:b0 + b]
-            nb = pl[1]
-            pl[0][0, nb] = e
-            pl[2][nb, :] = tk[0]
-            pl[2][nb, :tk.size] = tk
-            pl[3][nb, :tk.size] = tk
-            pl[4][nb, :tk.size] = c[e, tk]
-            pl[1] = nb + 1
-    out = [(pl[0], np.array([[pl[1], max(pl[1] - 1, 0)]], np.int32), pl[2], pl[3], pl[4])
-           for pl in plans]
+            nb = pl[1][core]
+            r = core * pl[5] + nb
+            pl[0][core, nb] = e
+            pl[2][r, :] = tk[0]
+            pl[2][r, :tk.size] = tk
+            pl[3][r, :tk.size] = tk
+            pl[4][r, :tk.size] = c[e, tk]
+            pl[1][core] = nb + 1
+    out = [(pl[0], np.array([[n, max(n - 1, 0)] for n in pl[1]], np.int32), pl[2], pl[3],
+            pl[4]) for pl in plans]
     return out[0], (out[1] if tt else None)
 
 
@@ -1014,10 +1032,11 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
       NBb tail-block slots of tt tokens (the ``_b`` arrays None: no tail blocks).
     Args:
       x: [T, H] bf16 HBM; weights and scales as in ``fused_moe_decode_kernel``.
-      be_*: [1, NB] int32 expert of each block; n_*: [1, 2] int32 (blocks used n, and
-        max(n - 1, 0): the pipelined loop's iterations).
-      gi_*, si_*: [NB, tb] int32 token rows to gather / to scatter-add to (T = padding, skipped).
-      bw_*: [NB, tb] fp32 routing weight of each row (0 for padding).
+      be_*: [C, NB] int32 expert of each block; n_*: [C, 2] int32 (blocks used n, and
+        max(n - 1, 0): the pipelined loop's iterations); row c for core c (C = 1, or 2 at LNC 2).
+      gi_*, si_*: [C NB, tb] int32 token rows to gather / to scatter-add to (T = padding,
+        skipped); core c's blocks in rows [c NB, (c + 1) NB).
+      bw_*: [C NB, tb] fp32 routing weight of each row (0 for padding).
       plan_a, plan_b: (combined, nf_gu, nf_d, kb_gu, kb_d, fused) of each block size.
       mx: None, or the x4 dtype of MXFP8 weights (as in ``fused_moe_decode_kernel``).
     Returns:
@@ -1025,6 +1044,9 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
     Notes:
       The weighted rows are added into an fp32 HBM accumulator by DMA read-modify-write
       (``dma_compute``, fp32 in the DMA engines): the weighted sum is accumulated in fp32.
+      LNC 2: each core runs its own experts' blocks (plan_prefill_routing) into its own fp32
+      accumulator and the shared expert for every other token block; after a core barrier each
+      core writes every other 128-row tile of y as the sum of the two accumulators.
     Pseudocode:
       y32 = shared(x) or 0                                    # fp32 HBM
       for (blocks, tb) in (full blocks, tb), (tail blocks, tt):   # _PrefillPipe's stages:
@@ -1045,8 +1067,18 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         w_gu, w_d = w_gu.view(mx), w_d.view(mx)
         if sh_gu is not None:
             sh_gu, sh_d = sh_gu.view(mx), sh_d.view(mx)
+    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
+    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
+    if be_a.shape[0] != programs:
+        raise ValueError(f"fused_moe_prefill_kernel: the plan is for {be_a.shape[0]} cores; "
+                         f"launched on {programs}")
     y = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
-    y32 = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.hbm)
+    if programs == 1:
+        y32 = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.hbm)
+        y32_all = None
+    else:      # LNC 2: an accumulator per core (DMA read-modify-writes of two cores would race)
+        y32_all = nl.ndarray((programs, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
+        y32 = y32_all[pid]
     ident = D.identity(nl.bfloat16)
     ident_f = D.identity(nl.float32)
     q = _Fp8(w_gu.dtype, None, None) if fp8 else None
@@ -1058,10 +1090,12 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
             continue
         NB = be.shape[1]
         be_sb = nl.ndarray((1, NB), dtype=nl.int32, buffer=nl.sbuf)            # [1, NB]
-        nisa.dma_copy(dst=be_sb, src=be)
+        nisa.dma_copy(dst=be_sb, src=be[pid:pid + 1, :])
         n_sb = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf)              # [1, 2]
-        nisa.dma_copy(dst=n_sb, src=nbk)
-        loops.append((be_sb, n_sb, gidx, sidx, bw, MoEPlan("prefill", gidx.shape[1], *pl)))
+        nisa.dma_copy(dst=n_sb, src=nbk[pid:pid + 1, :])
+        rows = slice(pid * NB, (pid + 1) * NB)
+        loops.append((be_sb, n_sb, gidx[rows, :], sidx[rows, :], bw[rows, :],
+                      MoEPlan("prefill", gidx.shape[1], *pl)))
 
     if sh_gu is not None:      # y32 = shared(x), token block by token block
         if mx is not None:
@@ -1070,7 +1104,16 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
             Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
         if fp8:
             _load_scales(q, ss_gu, ss_d, None, Is, H, ident_f)
-        for t0, tbs in D.token_blocks(T, loops[0][5].tb):
+        zero = None
+        for i, (t0, tbs) in enumerate(D.token_blocks(T, loops[0][5].tb)):
+            if i % programs != pid:      # LNC 2: the other core's token block; zeros here
+                if zero is None:
+                    zero = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf)  # [128, H]
+                    nisa.memset(dst=zero, value=0.0)
+                for r0 in range(t0, t0 + tbs, P):
+                    rn = min(P, t0 + tbs - r0)
+                    nisa.dma_copy(dst=y32[r0:r0 + rn, :], src=zero[0:rn, :])
+                continue
             rows = D.x_rows_normalised(x, t0, tbs)
 
             cols = []
@@ -1116,9 +1159,16 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         nisa.register_load(dst=m_reg, src=n_sb[0:1, 1:2])
         nl.fori_loop(0, m_reg, step)
         pipe.down(0, m_reg)
-    for r0 in range(0, T, P):          # fp32 accumulator -> bf16 output (DMA casts)
+    if y32_all is not None:            # both cores' scatter-adds are done before either reads
+        nisa.core_barrier(y32_all, tuple(range(programs)))
+    for i, r0 in enumerate(range(0, T, P)):    # fp32 accumulator -> bf16 output (DMA casts)
         rn = min(P, T - r0)
-        nisa.dma_copy(dst=y[r0:r0 + rn, :], src=y32[r0:r0 + rn, :])
+        if y32_all is None:
+            nisa.dma_copy(dst=y[r0:r0 + rn, :], src=y32[r0:r0 + rn, :])
+        elif i % programs == pid:      # LNC 2: the sum of the cores' accumulators (fp32 add)
+            nisa.dma_compute(dst=y[r0:r0 + rn, :],
+                             srcs=[y32_all[c, r0:r0 + rn, :] for c in range(programs)],
+                             reduce_op=nl.add)
     return y
 
 
@@ -1463,7 +1513,7 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None):
 # ---------------------------------------------------------------------------------------- op
 def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate_up_scale=None,
               down_scale=None, shared_scales=None, expert_offset=0, num_global_experts=None,
-              regime=None):
+              regime=None, lnc=1):
     """Routed SwiGLU experts with weighted sum (and an optional shared expert) on a NeuronCore.
 
     Args:
@@ -1484,6 +1534,8 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
         [expert_offset, expert_offset + E)); ids outside that range contribute nothing.
       num_global_experts: when given, every id must lie in [0, num_global_experts).
       regime: None (automatic: "decode" for T <= 64), "decode" (T <= 128) or "prefill".
+      lnc: 1, or 2 (prefill only): the experts are dealt to the two cores of a logical
+        NeuronCore, each core streaming its own experts' weights into its own fp32 accumulator.
     Returns:
       y [T, H] bfloat16.
     """
@@ -1491,7 +1543,8 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     gen = check_target(name)
     if isinstance(w_gate_up, MXTensor) or isinstance(w_down, MXTensor):
         return _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_scale,
-                             down_scale, shared_scales, expert_offset, num_global_experts, regime)
+                             down_scale, shared_scales, expert_offset, num_global_experts, regime,
+                             lnc)
     check_no_grad(name, x, w_gate_up, w_down, topk_weights, topk_ids, gate_up_scale, down_scale,
                   *(shared or ()), *(shared_scales or ()))
     T, H = check_2d(name, "x", x)
@@ -1525,6 +1578,7 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     if shared is not None:
         sh_gu, sh_d, ss_gu, ss_d = _check_shared(name, shared, shared_scales, H, wdt, tiled, fp8)
     regime = _regime(name, T, regime)
+    lnc = _check_lnc_regime(name, lnc, regime)
     lids = local_ids(ids, E, expert_offset)
     w32 = wts.astype(np.float32)
     wb = 1 if fp8 else 2
@@ -1540,17 +1594,18 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
                  if c == TB_CHOICES[0]
                  or _sbuf_need(c, H, I, wb, fp8, plan_tiles("prefill", c, H, I, wb, tiled))
                  <= budget)
-    tb, tt = choose_blocks(counts, tb_cap, RIDGE_TOKENS if gen >= 4 else RIDGE_TOKENS_TRN2)
-    full, tail = plan_prefill_routing(lids, w32, E, tb, tt)
+    ridge = RIDGE_TOKENS if gen >= 4 else RIDGE_TOKENS_TRN2
+    tb, tt = choose_blocks(counts, tb_cap, ridge)
+    full, tail = plan_prefill_routing(lids, w32, E, tb, tt, lnc, ridge)
     pa = plan_tiles("prefill", tb, H, I, wb, tiled)
     pb = plan_tiles("prefill", tt, H, I, wb, tiled) if tt else None
     return launch(fused_moe_prefill_kernel, x, w_gate_up, w_down, *full,
                   *(tail if tail is not None else (None,) * 5), s_gu, s_d, sh_gu, sh_d, ss_gu,
-                  ss_d, tiled, pa.args(), pb.args() if pb else None)
+                  ss_d, tiled, pa.args(), pb.args() if pb else None, lnc=lnc)
 
 
 def _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_scale,
-                  down_scale, shared_scales, expert_offset, num_global_experts, regime):
+                  down_scale, shared_scales, expert_offset, num_global_experts, regime, lnc):
     """``fused_moe`` with MXFP8 expert weights (``quantize_expert_weights_mx``; Trn3 only)."""
     name = "fused_moe"
     gen = int(nisa.get_nc_version())
@@ -1593,6 +1648,7 @@ def _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_
         sd_d, sd_s, _, _ = _mx_operand(name, "shared[1]", shared[1], 2, Is, H)
         sh = (sg_d, sd_d, sg_s, sd_s)
     regime = _regime(name, T, regime)
+    lnc = _check_lnc_regime(name, lnc, regime)
     x4 = getattr(nl, _MX_FMTS[fmt])
     lids = local_ids(ids, E, expert_offset)
     w32 = wts.astype(np.float32)
@@ -1606,12 +1662,21 @@ def _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_
     tb_cap = max(c for c in TB_CHOICES if c == TB_CHOICES[0]
                  or _sbuf_need_mx(c, H, I, plan_tiles_mx("prefill", c, H, I)) <= budget)
     tb, tt = choose_blocks(counts, tb_cap, RIDGE_TOKENS_MX)
-    full, tail = plan_prefill_routing(lids, w32, E, tb, tt)
+    full, tail = plan_prefill_routing(lids, w32, E, tb, tt, lnc, RIDGE_TOKENS_MX)
     pa = plan_tiles_mx("prefill", tb, H, I)
     pb = plan_tiles_mx("prefill", tt, H, I) if tt else None
     return launch(fused_moe_prefill_kernel, x, g_d, d_d, *full,
                   *(tail if tail is not None else (None,) * 5), g_s, d_s, *sh, False,
-                  pa.args(), pb.args() if pb else None, x4)
+                  pa.args(), pb.args() if pb else None, x4, lnc=lnc)
+
+
+def _check_lnc_regime(name, lnc, regime):
+    lnc = check_lnc(name, lnc)
+    if lnc == 2 and regime != "prefill":
+        raise ValueError(f"{name}: lnc=2 is implemented for the prefill regime; this call is "
+                         f"{regime} (T <= 64 picks decode unless regime='prefill'); run decode "
+                         f"with lnc=1")
+    return lnc
 
 
 def _regime(name, T, regime):
