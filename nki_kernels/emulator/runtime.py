@@ -379,6 +379,10 @@ class Launch:
         self.world, self.rank = None, 0   # nki.collectives: the run_ranks world and this rank
         self.io_storages = set()          # storage ids of the kernel's array arguments
         self.shared_idx = [0] * lnc
+        self.race_tags = {}      # shared storage id -> [program, byte] epoch + 1 of last write
+        self.race_sync = {}      # shared storage id -> core_barriers on it passed, per program
+        self.race_seen = set()   # shared storage ids already warned about
+        self.race_global = [0] * lnc     # collectives passed, per program (a barrier on all)
 
     # ---- scheduling
     def _wait_turn(self, i):
@@ -433,11 +437,60 @@ class Launch:
                     self.cv.wait()
                 self.turn = i
 
-    def barrier(self, core):
+    def barrier(self, core, storage=None):
         i = core.program_id
         self.arrived[i] += 1
         k = self.arrived[i]
         self._rendezvous(core, lambda: self.arrived[1 - i] >= k)
+        if storage is not None:
+            self.race_sync.setdefault(storage.id, [0] * self.lnc)[i] += 1
+
+    # ---- cross-core races on shared HBM
+    def shared_access(self, core, opcode, reads, writes, sync=False):
+        """LNC=2: one instruction's shared-HBM reads against the other program's writes. The
+        two cores run concurrently and only a ``core_barrier`` on a tensor orders their accesses
+        to it (nki-spec 9.10: ``data`` is the tensor both cores wrote; only what depends on it
+        waits): reading bytes the other core wrote since the last barrier on that tensor is a
+        race, undefined on hardware. The emulator runs the programs in an order of its own and
+        reads a value anyway; it warns (NkiHardwareWarning) once per tensor. Granularity: bytes.
+        Per byte and program: the epoch (barriers on the tensor passed) of its last write.
+        Not a race: bytes the reader itself wrote since its last barrier on the tensor (a kernel
+        that does not shard its output writes it from both cores, the same values). Not
+        checked: two cores writing the same bytes, a write over bytes the other core reads.
+        ``sync``: a collective (nki.collectives), which every rank reaches before any goes on:
+        a barrier on every tensor."""
+        i = core.program_id
+        if sync:
+            self.race_global[i] += 1
+        for role, t, write in [(r, t, False) for r, t in reads] + [(r, t, True) for r, t in writes]:
+            st = t.storage
+            tags = self.race_tags.get(st.id)
+            if tags is None and not write:
+                continue
+            if tags is None:
+                tags = self.race_tags[st.id] = np.zeros((self.lnc, st.nbytes), np.uint16)
+            sync = [n + g for n, g in zip(self.race_sync.get(st.id, [0] * self.lnc),
+                                          self.race_global)]
+            starts, isz = _byte_starts(t)
+            if starts is None:
+                continue
+            if write:
+                for b in range(isz):
+                    tags[i, starts + b] = sync[i] + 1
+                continue
+            o = 1 - i
+            bad = (tags[o, starts] > sync[i]) & (tags[i, starts] != sync[i] + 1)
+            if bad.any() and st.id not in self.race_seen:
+                self.race_seen.add(st.id)
+                import warnings
+
+                from .isa._common import NkiHardwareWarning
+                warnings.warn(
+                    f"{opcode}: operand {role!r}: program {i} reads {int(bad.sum())} element(s) "
+                    f"of {t.name!r} (shared_hbm) that program {1 - i} wrote with no core_barrier "
+                    f"on {t.name!r} in between: the two cores race (undefined on hardware; the "
+                    f"emulator's order of the programs decides the value)", NkiHardwareWarning,
+                    stacklevel=4)
 
     def exchange(self, core, key, data):
         i = core.program_id
@@ -461,6 +514,26 @@ class Launch:
         st = new_storage(shared_hbm, shape, dtype, name=name)
         self.shared.append((st, tuple(shape), dtype))
         return st
+
+
+def _byte_starts(t):
+    """(first byte of each element of the view ``t`` in its storage, itemsize), or (None, 0)
+    for a view whose dynamic offset is out of bounds; indirect rows that are skipped (out of
+    bounds) are left out."""
+    isz = t.dtype.np.itemsize
+    if t._vec is not None:
+        addrs, valid = t._row_addresses()
+        return (addrs[np.broadcast_to(valid.reshape((-1,) + (1,) * (addrs.ndim - 1)),
+                                      addrs.shape)].ravel() * isz), isz
+    off = t._base_offset()
+    if off is None:
+        return None, 0
+    idx = np.full(t.shape, off, np.int64) if t.shape else np.array(off, np.int64)
+    for k, (s, n) in enumerate(zip(t.strides, t.shape)):
+        sh = [1] * len(t.shape)
+        sh[k] = n
+        idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(sh)
+    return idx.ravel() * isz, isz
 
 
 def current_core() -> Core:

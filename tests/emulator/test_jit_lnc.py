@@ -188,6 +188,55 @@ def test_core_barrier_orders_shared_hbm_between_programs():
     np.testing.assert_array_equal(y, exp)     # without the barrier program 0 reads NaN
 
 
+@jit
+def _race_kernel(a, barrier_on):
+    """Each program writes its half of a shared tensor and reads the other program's half,
+    with a core_barrier on ``barrier_on`` ("stage", "other" or None) in between."""
+    pid = nl.program_id(0)
+    stage = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm, name="stage")
+    other = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm, name="other")
+    t = nl.ndarray((4, 16), a.dtype)
+    nisa.dma_copy(dst=t, src=a[pid * 4:(pid + 1) * 4])
+    nisa.dma_copy(dst=stage[pid * 4:(pid + 1) * 4], src=t)
+    nisa.dma_copy(dst=other[pid * 4:(pid + 1) * 4], src=t)
+    if barrier_on is not None:
+        nisa.core_barrier(stage if barrier_on == "stage" else other, (0, 1))
+    u = nl.ndarray((4, 16), a.dtype)
+    nisa.dma_copy(dst=u, src=stage[(1 - pid) * 4:(2 - pid) * 4])
+    nisa.dma_copy(dst=other[pid * 4:(pid + 1) * 4], src=u)
+    return other
+
+
+def test_reading_the_other_cores_writes_needs_a_barrier_on_that_tensor():
+    """The emulator's lockstep order gets the right values either way; on hardware only a
+    core_barrier on the tensor orders the two cores' accesses to it (nki-spec 9.10)."""
+    with target("trn3"):
+        y = _race_kernel[2](X, "stage")                           # ordered: no warning
+        np.testing.assert_array_equal(y, np.concatenate([X[4:], X[:4]]))
+        for on in (None, "other"):                                # none, or on another tensor
+            with pytest.warns(emulator.isa.NkiHardwareWarning,
+                              match=r"dma_copy: operand 'src': program \d reads 64 element\(s\) "
+                                    r"of 'stage' \(shared_hbm\) that program \d wrote with no "
+                                    r"core_barrier on 'stage' in between: the two cores race"):
+                _race_kernel[2](X, on)
+
+
+def test_both_cores_writing_the_same_output_is_not_a_race():
+    """A kernel that does not shard writes its whole output from both cores (the same values)
+    and may read it back."""
+    @jit
+    def k(a):
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(a.shape, a.dtype)
+        nisa.dma_copy(dst=t, src=a)
+        nisa.dma_copy(dst=out, src=t)
+        nisa.dma_copy(dst=t, src=out)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+    with target("trn3"):
+        np.testing.assert_array_equal(k[2](X), X)
+
+
 def test_sendrecv_exchanges_sbuf_tiles():
     @jit
     def k():

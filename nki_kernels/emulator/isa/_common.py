@@ -124,9 +124,14 @@ def emit(engine_name, opcode, reads, writes, attrs=None, name=None):
             tensor(opcode, role, t)  # raises: an empty operand
     rec = tr.record(engine_name, opcode, reads, writes, attrs, name) if rt._tracers else None
     core = rt.maybe_core()
-    if core is not None and core.launch.lnc > 1 and any(
-            isinstance(t, NkiTensor) and t.buffer is rt.shared_hbm for _, t in (*reads, *writes)):
-        core.launch.step(core)
+    if core is not None and core.launch.lnc > 1:
+        shared = [[(r, t) for r, t in ops if isinstance(t, NkiTensor) and t.buffer is rt.shared_hbm]
+                  for ops in (reads, writes)]
+        if shared[0] or shared[1]:
+            if not (attrs or {}).get("barrier"):
+                core.launch.shared_access(core, opcode, *shared,
+                                          sync=bool((attrs or {}).get("collective")))
+            core.launch.step(core)
     return NkiInstruction(opcode, name, rec)
 
 

@@ -97,7 +97,7 @@ def core_barrier(data, cores, engine=None, name=None):
         raise fail(I, "cores", f"must be (0, 1); got {cores!r}")
     if not isinstance(data, NkiTensor) or data.buffer is not rt.shared_hbm:
         raise fail(I, "data", "must be the nl.shared_hbm tensor both cores wrote")
-    core.launch.barrier(core)
+    core.launch.barrier(core, data.storage)
     return emit("gpsimd", I, [("data", data)], [], {"barrier": True}, name)
 
 
