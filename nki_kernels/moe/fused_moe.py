@@ -1505,7 +1505,10 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None):
             nisa.dma_copy(dst=y32[t0 + s0:t0 + s0 + ts, c0:c0 + ncols], src=y_sb,
                           dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
         else:
-            dst = y32.ap([[H, ts], [1, ncols]], offset=c0, vector_offset=sis[n], indirect_dim=0)
+            # offset None: the view's own (an .ap offset addresses the allocation, and at LNC 2
+            # y32 is this core's slice of the cores' accumulators)
+            dst = y32[:, c0:c0 + ncols].ap([[H, ts], [1, ncols]], vector_offset=sis[n],
+                                           indirect_dim=0)
             nisa.dma_compute(dst=dst, srcs=[dst, y_sb], reduce_op=nl.add,
                              oob_mode=nisa.oob_mode.skip)
 
