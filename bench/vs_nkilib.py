@@ -846,8 +846,9 @@ PAIRS = {
 
 
 def select(ops=None, tier: str = harness.DEFAULT_TIER, target: str = "trn3",
-           shape: str | None = None):
-    """[(pair, case)] for the paired ``ops`` (all when None) in ``tier``."""
+           shape: str | None = None, dtype: str | None = None):
+    """[(pair, case)] for the paired ``ops`` (all when None) in ``tier`` (``shape``, ``dtype``:
+    only names / dtype labels that contain them)."""
     wanted = list(ops) if ops else list(PAIRS)
     bad = [o for o in wanted if o not in PAIRS]
     if bad:
@@ -855,7 +856,7 @@ def select(ops=None, tier: str = harness.DEFAULT_TIER, target: str = "trn3",
                                  f"ops: {', '.join(PAIRS)}")
     out = []
     for op in wanted:
-        out += [(PAIRS[op], c) for c in harness.select([op], tier, target, shape)]
+        out += [(PAIRS[op], c) for c in harness.select([op], tier, target, shape, dtype)]
     return out
 
 
@@ -959,16 +960,17 @@ def pair_row(pair: Pair, case, lnc: int, ours: dict, theirs: dict, lib: NkiLib |
 
 
 def run(lib: NkiLib, ops=None, tier: str = harness.DEFAULT_TIER, target: str = "trn3", *,
-        shape: str | None = None, seed: int = 0, measured: bool = False, lncs=(1, 2),
-        progress: bool = True, on_row=None, warmup: int = 5, repeats: int = 20) -> list[dict]:
+        shape: str | None = None, dtype: str | None = None, seed: int = 0,
+        measured: bool = False, lncs=(1, 2), progress: bool = True, on_row=None,
+        warmup: int = 5, repeats: int = 20) -> list[dict]:
     """Run every paired case at each LNC of ``lncs`` both sides support; the rows (see pair_row)."""
     from nki_kernels.bench import roofline
     roofline._target(target)
     if not measured and harness.backend_name() != "emulator":
         raise harness.BenchError("--vs-nkilib: modeled time needs the emulator backend; run with "
                                  "--modeled, or pass --measured on a device")
-    selected = [(p, c, n) for p, c in select(ops, tier, target, shape) for n in p.case_lncs(c)
-                if n in lncs]
+    selected = [(p, c, n) for p, c in select(ops, tier, target, shape, dtype)
+                for n in p.case_lncs(c) if n in lncs]
     _emulated[0] = not measured
     sha, date = harness.git_sha(), harness.now_iso()
     rows = []
@@ -1137,7 +1139,7 @@ def main(args) -> int:
     json_path = args.json or (out_dir or harness.default_out_dir()) / "vs_nkilib.jsonl"
     if args.list:
         try:
-            for p, c in select(ops, tier, args.target, args.shape):
+            for p, c in select(ops, tier, args.target, args.shape, args.dtype):
                 print(f"{c.op:<16} {p.family:<14} {c.shape:<34} {c.dtype:<14} LNC "
                       f"{','.join(map(str, p.case_lncs(c)))}")
         except harness.BenchError as e:
@@ -1145,7 +1147,8 @@ def main(args) -> int:
             return 2
         return 0
     try:
-        rows = run(lib, ops, tier, args.target, shape=args.shape, seed=args.seed,
+        rows = run(lib, ops, tier, args.target, shape=args.shape, dtype=args.dtype,
+                   seed=args.seed,
                    measured=bool(args.measured), progress=not args.quiet,
                    warmup=args.warmup, repeats=args.repeats,
                    on_row=lambda r: harness.write_jsonl([r], json_path))
@@ -1154,10 +1157,11 @@ def main(args) -> int:
         return 2
     if not rows:
         print(f"nki-kernels bench --vs-nkilib: no paired cases for ops={ops or 'all'} tier={tier}"
-              + (f" shape~{args.shape!r}" if args.shape else ""), file=sys.stderr)
+              + (f" shape~{args.shape!r}" if args.shape else "")
+              + (f" dtype~{args.dtype!r}" if args.dtype else ""), file=sys.stderr)
         return 2
     paths = write(rows, out_dir, json_path=json_path, tier=tier,
-                  subset=bool(ops or args.shape), append_json=False)
+                  subset=bool(ops or args.shape or args.dtype), append_json=False)
     if not args.quiet:
         print(markdown_table(rows, tier=tier))
     print(f"wrote {paths['json']} (appended), {paths['markdown']}", file=sys.stderr)

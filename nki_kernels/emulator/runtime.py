@@ -14,6 +14,7 @@ import threading
 import weakref
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from .. import hardware
 from . import dtypes as dt
@@ -471,15 +472,17 @@ class Launch:
                 tags = self.race_tags[st.id] = np.zeros((self.lnc, st.nbytes), np.uint16)
             sync = [n + g for n, g in zip(self.race_sync.get(st.id, [0] * self.lnc),
                                           self.race_global)]
-            starts, isz = _byte_starts(t)
-            if starts is None:
+            v, idx = _byte_tags(tags, t)
+            if v is None:
                 continue
             if write:
-                for b in range(isz):
-                    tags[i, starts + b] = sync[i] + 1
+                if idx is None:
+                    v[i] = sync[i] + 1
+                else:
+                    tags[i, idx] = sync[i] + 1
                 continue
             o = 1 - i
-            bad = (tags[o, starts] > sync[i]) & (tags[i, starts] != sync[i] + 1)
+            bad = ((v[o] > sync[i]) & (v[i] != sync[i] + 1)).any(axis=-1)     # per element
             if bad.any() and st.id not in self.race_seen:
                 self.race_seen.add(st.id)
                 import warnings
@@ -516,24 +519,31 @@ class Launch:
         return st
 
 
-def _byte_starts(t):
-    """(first byte of each element of the view ``t`` in its storage, itemsize), or (None, 0)
-    for a view whose dynamic offset is out of bounds; indirect rows that are skipped (out of
-    bounds) are left out."""
+def _byte_tags(tags, t):
+    """The per-byte tag rows ``tags`` [programs, nbytes] at the bytes of the view ``t``:
+    [programs, elements..., itemsize], a strided view (index None) for a static view, or a copy
+    with the flat byte index for an indirect one (skipped, out-of-bounds rows left out) or one
+    with a negative stride. (None, None) when a dynamic offset is out of bounds."""
     isz = t.dtype.np.itemsize
     if t._vec is not None:
         addrs, valid = t._row_addresses()
-        return (addrs[np.broadcast_to(valid.reshape((-1,) + (1,) * (addrs.ndim - 1)),
-                                      addrs.shape)].ravel() * isz), isz
+        ok = np.broadcast_to(valid.reshape((-1,) + (1,) * (addrs.ndim - 1)), addrs.shape)
+        idx = (addrs[ok].reshape(-1, 1) * isz + np.arange(isz)).ravel()
+        return tags[:, idx].reshape(tags.shape[0], -1, isz), idx
     off = t._base_offset()
     if off is None:
-        return None, 0
-    idx = np.full(t.shape, off, np.int64) if t.shape else np.array(off, np.int64)
-    for k, (s, n) in enumerate(zip(t.strides, t.shape)):
-        sh = [1] * len(t.shape)
-        sh[k] = n
-        idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(sh)
-    return idx.ravel() * isz, isz
+        return None, None
+    if any(s < 0 for s in t.strides):
+        idx = np.full(t.shape, off, np.int64)
+        for k, (s, n) in enumerate(zip(t.strides, t.shape)):
+            idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(
+                [n if j == k else 1 for j in range(len(t.shape))])
+        idx = (idx.reshape(-1, 1) * isz + np.arange(isz)).ravel()
+        return tags[:, idx].reshape(tags.shape[0], -1, isz), idx
+    row, step = tags.strides
+    v = as_strided(tags[:, off * isz:], shape=(tags.shape[0],) + t.shape + (isz,),
+                   strides=(row,) + tuple(s * isz * step for s in t.strides) + (step,))
+    return v, None
 
 
 def current_core() -> Core:
