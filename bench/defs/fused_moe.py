@@ -21,9 +21,8 @@ DeepSeek-V3 EP8 T = 8, 4096) take the experts from ``quantize_expert_weights_mx`
 layout, 1 byte per weight + 1/32 scale byte) and are measured against the MX TensorE peak (4x
 bf16) and the HBM roof.
 
-LNC=2 rows (the bf16 prefill shapes): ``fused_moe(lnc=2)`` deals the experts to the two cores of
-a logical NeuronCore; roofs are those of two cores. (FP8 and MX run at LNC 2 too, tested; their
-rows are not in the bench: an LNC=2 T = 4096 row takes about 6 minutes of emulation.)
+``moe_case(s, dtype, lnc=2)`` builds an LNC=2 case (``fused_moe(lnc=2)``, roofs of two cores);
+the MODELS tier has none yet: an LNC=2 T = 4096 row takes 6 to 8 minutes of emulation (docs/moe.md).
 """
 from __future__ import annotations
 
@@ -183,10 +182,6 @@ def cases(tier: str, target: str):
         if target == "trn3":
             for s in shapes.MOE_MX_TARGETS:
                 yield moe_case(s, "mx")
-        # LNC 2 (prefill, bf16): the experts dealt to the two cores
-        for s in shapes.MOE_TARGETS:
-            if s.tokens > DECODE_T_MAX:
-                yield moe_case(s, "bf16", lnc=2)
         return
     for s in t.moe:
         yield moe_case(s, "bf16")
