@@ -83,6 +83,14 @@ else:
     nisa = importlib.import_module("nki.isa")
 
 
+def lnc_programs():
+    """Inside a kernel: (the programs of the launch, this one's id): (1, 0) for a plain launch,
+    (2, 0 or 1) at LNC 2."""
+    if not nl.program_ndim():
+        return 1, 0
+    return nl.num_programs(axes=0), nl.program_id(axis=0)
+
+
 def launch(kernel, *args, lnc: int = 1):
     """Run a jitted kernel on the selected backend with NumPy (or torch) arguments."""
     require()

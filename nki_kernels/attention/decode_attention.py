@@ -37,7 +37,7 @@ from .._validate import (
     check_lnc,
     check_window,
 )
-from ..backend import launch, nisa, nki, nl
+from ..backend import launch, lnc_programs, nisa, nki, nl
 from .kv_cache import (
     BLOCK_SIZES,
     KVLayout,
@@ -240,8 +240,7 @@ def decode_attention_kernel(q, k_cache, v_cache, block_table, rowtab, cfg):
     lse = None
     if cfg.return_lse:
         lse = nl.ndarray((B, s_q, Hq), dtype=nl.float32, buffer=nl.shared_hbm)
-    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
-    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
+    programs, pid = lnc_programs()
     mine = cfg.items[pid]
     split, parts_hbm = split_parts(cfg.items, cfg.n_groups, d)
     ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)                   # [128, 128]

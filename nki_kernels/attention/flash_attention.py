@@ -28,7 +28,7 @@ import numpy as np
 from .._limits import P, sbuf_budget
 from .._validate import array_like, check_flag, check_lnc, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
-from ..backend import launch, nisa, nki, nl
+from ..backend import launch, lnc_programs, nisa, nki, nl
 from .masks import MaskSpec, mask_range_select, row_bounds
 from .schedule import assign_programs, gqa_heads, kv_chunks, prefill_units
 from .softmax import SoftmaxState
@@ -229,8 +229,7 @@ def flash_attention_kernel(q, k, v, sinks, cfg):
     spec = MaskSpec(Sq, Skv, cfg.causal, cfg.window)
     chunks = kv_chunks(Skv, cfg.chunk)
     units = prefill_units(spec, B, Hkv, cfg.kb, cfg.chunk)
-    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
-    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
+    programs, pid = lnc_programs()
     mine = assign_programs(units, programs)[pid]
     hbm_state = None
     if len(chunks) > 1:       # softmax state (o with its sum column, m) between KV chunks

@@ -44,7 +44,7 @@ from .._validate import (
     is_torch,
     token_scales,
 )
-from ..backend import launch, nisa, nki, nl
+from ..backend import launch, lnc_programs, nisa, nki, nl
 from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, load_kv_tile_pages, tokens_per_partition
 from .masks import scale_mask_max
 from .merge_attention_states import merge_states_sb
@@ -185,8 +185,7 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_sca
     lse = None
     if cfg.return_lse:
         lse = nl.ndarray((B, s_q, H), dtype=nl.float32, buffer=nl.shared_hbm)
-    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
-    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
+    programs, pid = lnc_programs()
     mine = cfg.items[pid]
     split, parts_hbm = split_parts(cfg.items, cfg.n_groups, D_LATENT)
     ident = None

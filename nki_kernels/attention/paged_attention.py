@@ -46,7 +46,7 @@ from .._validate import (
     check_window,
     host_ints,
 )
-from ..backend import launch, nisa, nki, nl
+from ..backend import launch, lnc_programs, nisa, nki, nl
 from .decode_attention import NCOL, DecodePlan, _Run, decode_schedule, row_table, slot_width
 from .flash_attention import plan_flash_attention, run_kv_group
 from .kv_cache import BLOCK_SIZES, KVLayout
@@ -300,8 +300,7 @@ def paged_attention_kernel(q, k_cache, v_cache, block_table, rowtab, sinks, cfg)
     lse = None
     if cfg.return_lse:
         lse = nl.ndarray((T, Hq), dtype=nl.float32, buffer=nl.shared_hbm)
-    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
-    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
+    programs, pid = lnc_programs()
     ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)                   # [128, 128]
     runs = []
     for ci, dp in enumerate(cfg.decode):

@@ -17,7 +17,7 @@ from .._limits import P, sbuf_budget
 from .._validate import check_lnc, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from .._validate import is_torch as _is_torch
-from ..backend import launch, nisa, nki, nl
+from ..backend import launch, lnc_programs, nisa, nki, nl
 
 TN = 512           # moving free size per matmul (one 2 KiB fp32 PSUM bank)
 A_CHUNK = 2048     # A columns loaded per DMA in prefill (4 KiB per partition in bf16)
@@ -124,8 +124,7 @@ def matmul_kernel(a, b, out_dtype, nb, decode, double_row):
     c = nl.ndarray((M, N), dtype=out_dtype, buffer=nl.shared_hbm)
     ident = nl.shared_identity_matrix(P, dtype=tdt)  # [128, 128]
 
-    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
-    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
+    programs, pid = lnc_programs()
 
     if decode:
         aT = _load_a_transposed(a, 0, M, KT, tdt, ident, double_row)       # [128, KT, M]

@@ -42,7 +42,7 @@ from .._validate import (
     dtype_name,
     is_torch,
 )
-from ..backend import launch, nisa, nki, nl
+from ..backend import launch, lnc_programs, nisa, nki, nl
 from ..dense import _tiles as D
 from ..dense._tiles import P, cdiv, tile_weight
 from ..dense.swiglu_mlp import (
@@ -1067,8 +1067,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         w_gu, w_d = w_gu.view(mx), w_d.view(mx)
         if sh_gu is not None:
             sh_gu, sh_d = sh_gu.view(mx), sh_d.view(mx)
-    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
-    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
+    programs, pid = lnc_programs()
     if be_a.shape[0] != programs:
         raise ValueError(f"fused_moe_prefill_kernel: the plan is for {be_a.shape[0]} cores; "
                          f"launched on {programs}")
@@ -1097,6 +1096,17 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         loops.append((be_sb, n_sb, gidx[rows, :], sidx[rows, :], bw[rows, :],
                       MoEPlan("prefill", gidx.shape[1], *pl)))
 
+    zero = []
+
+    def zero_rows(r0, r1):
+        """y32[r0:r1] = 0 from a [128, H] zero tile (made at the first call)."""
+        if not zero:
+            zero.append(nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf))   # [128, H]
+            nisa.memset(dst=zero[0], value=0.0)
+        for a in range(r0, r1, P):
+            n = min(P, r1 - a)
+            nisa.dma_copy(dst=y32[a:a + n, :], src=zero[0][0:n, :])
+
     if sh_gu is not None:      # y32 = shared(x), token block by token block
         if mx is not None:
             Is = sh_gu.shape[1] // (2 * cdiv(H, CHUNK))
@@ -1104,15 +1114,9 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
             Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
         if fp8:
             _load_scales(q, ss_gu, ss_d, None, Is, H, ident_f)
-        zero = None
         for i, (t0, tbs) in enumerate(D.token_blocks(T, loops[0][5].tb)):
             if i % programs != pid:      # LNC 2: the other core's token block; zeros here
-                if zero is None:
-                    zero = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf)  # [128, H]
-                    nisa.memset(dst=zero, value=0.0)
-                for r0 in range(t0, t0 + tbs, P):
-                    rn = min(P, t0 + tbs - r0)
-                    nisa.dma_copy(dst=y32[r0:r0 + rn, :], src=zero[0:rn, :])
+                zero_rows(t0, t0 + tbs)
                 continue
             rows = D.x_rows_normalised(x, t0, tbs)
 
@@ -1134,11 +1138,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
             A = (A, a_row) if fp8 else None
             _expert_step(xT, A, tbs, H, Is, sh_gu, sh_d, None, q, sp, tiled, put, fp8)
     else:
-        zero = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf)             # [128, H]
-        nisa.memset(dst=zero, value=0.0)
-        for r0 in range(0, T, P):
-            rn = min(P, T - r0)
-            nisa.dma_copy(dst=y32[r0:r0 + rn, :], src=zero[0:rn, :])
+        zero_rows(0, T)
 
     for be_sb, n_sb, gidx, sidx, bw, plan in loops:
         # the pipelined loop: prologue, n - 1 iterations, the last block's down stage

@@ -29,7 +29,7 @@ from .._limits import P, sbuf_budget
 from .._validate import GEN_NAMES, check_lnc, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from .._validate import is_torch as _is_torch
-from ..backend import launch, nisa, nki, nl
+from ..backend import launch, lnc_programs, nisa, nki, nl
 
 CHUNK = 512        # contraction values per chunk (128 partitions x 4 lanes)
 TILE = 128         # columns per tile of the MX layout (and per stationary A tile)
@@ -169,8 +169,7 @@ def mxfp8_matmul_kernel(a, a_scale, b, b_scale, K, a_x4, b_x4, out_dtype, nb, tn
     a_q_hbm = None if a_bf16 else a.view(a_x4)      # [128, KT*M] x4
     b_q_hbm = None if b_bf16 else b.view(b_x4)      # [128, KT*N] x4
 
-    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
-    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
+    programs, pid = lnc_programs()
     n_blocks = -(-N // nb)
     split_n = n_blocks >= programs      # LNC=2: split the B blocks, else the A tiles
 

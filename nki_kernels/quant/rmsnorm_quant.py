@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .._limits import P, sbuf_budget
 from .._validate import check_eps, check_lnc, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
-from ..backend import launch, nisa, nki, nl
+from ..backend import launch, lnc_programs, nisa, nki, nl
 from .mxfp8_matmul import CHUNK, MXTensor
 
 AMAX_FLOOR = 2.0 ** -100      # rows with max|g| below this are scaled as if it were this
@@ -99,12 +99,6 @@ def plan_rmsnorm_quant(T, H, quant, residual, gamma_bytes, budget) -> RMSQuantPl
 
 
 # ------------------------------------------------------------------------------- shared parts
-def _programs():
-    programs = nl.num_programs(axes=0) if nl.program_ndim() else 1
-    pid = nl.program_id(axis=0) if nl.program_ndim() else 0
-    return programs, pid
-
-
 def _load_rows(h_sb, x, residual, res_hbm, t0, tt, c0=0, c1=None):
     """h_sb [tt, c0:c1] = x rows [t0, t0+tt), columns [c0, c1) (default all); with a residual,
     h = bf16(x + residual) is formed by the DMA engines on the way in (dma_compute, fp32 add: no
@@ -216,7 +210,7 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
     if residual is not None:
         res_hbm = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
     gen = nisa.get_nc_version()
-    programs, pid = _programs()
+    programs, pid = lnc_programs()
     NT = -(-T // P)
     mine = [i for i in range(NT) if i % programs == pid]
     s_all = nl.ndarray((P, max(1, len(mine))), dtype=nl.float32, buffer=nl.sbuf)  # [128, NTl]
@@ -584,7 +578,7 @@ def rmsnorm_quant_mx_kernel(x, gamma, residual, eps, mx_x4, double):
     if residual is not None:
         res_hbm = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
     data_x4 = data_hbm.view(mx_x4)                                               # [128, KT*T]
-    programs, pid = _programs()
+    programs, pid = lnc_programs()
     ident = gT = None             # made after the first tile's loads are issued (same DMA rings)
     consts = _row_consts(H, eps)
     if not double:
