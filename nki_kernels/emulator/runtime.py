@@ -11,6 +11,7 @@ import itertools
 import os
 import sys
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -447,7 +448,7 @@ class Launch:
             self.race_sync.setdefault(storage.id, [0] * self.lnc)[i] += 1
 
     # ---- cross-core races on shared HBM
-    def shared_access(self, core, opcode, reads, writes, sync=False):
+    def shared_access(self, core, opcode, reads, writes, collective=False):
         """LNC=2: one instruction's shared-HBM reads against the other program's writes. The
         two cores run concurrently and only a ``core_barrier`` on a tensor orders their accesses
         to it (nki-spec 9.10: ``data`` is the tensor both cores wrote; only what depends on it
@@ -458,10 +459,10 @@ class Launch:
         Not a race: bytes the reader itself wrote since its last barrier on the tensor (a kernel
         that does not shard its output writes it from both cores, the same values). Not
         checked: two cores writing the same bytes, a write over bytes the other core reads.
-        ``sync``: a collective (nki.collectives), which every rank reaches before any goes on:
-        a barrier on every tensor."""
+        ``collective``: a collective (nki.collectives), which every rank reaches before any goes
+        on: a barrier on every tensor."""
         i = core.program_id
-        if sync:
+        if collective:
             self.race_global[i] += 1
         for role, t, write in [(r, t, False) for r, t in reads] + [(r, t, True) for r, t in writes]:
             st = t.storage
@@ -485,8 +486,6 @@ class Launch:
             bad = ((v[o] > sync[i]) & (v[i] != sync[i] + 1)).any(axis=-1)     # per element
             if bad.any() and st.id not in self.race_seen:
                 self.race_seen.add(st.id)
-                import warnings
-
                 from .isa._common import NkiHardwareWarning
                 warnings.warn(
                     f"{opcode}: operand {role!r}: program {i} reads {int(bad.sum())} element(s) "
@@ -522,8 +521,8 @@ class Launch:
 def _byte_tags(tags, t):
     """The per-byte tag rows ``tags`` [programs, nbytes] at the bytes of the view ``t``:
     [programs, elements..., itemsize], a strided view (index None) for a static view, or a copy
-    with the flat byte index for an indirect one (skipped, out-of-bounds rows left out) or one
-    with a negative stride. (None, None) when a dynamic offset is out of bounds."""
+    with the flat byte index for an indirect one (skipped, out-of-bounds rows left out).
+    (None, None) when a dynamic offset is out of bounds."""
     isz = t.dtype.np.itemsize
     if t._vec is not None:
         addrs, valid = t._row_addresses()
@@ -533,13 +532,8 @@ def _byte_tags(tags, t):
     off = t._base_offset()
     if off is None:
         return None, None
-    if any(s < 0 for s in t.strides):
-        idx = np.full(t.shape, off, np.int64)
-        for k, (s, n) in enumerate(zip(t.strides, t.shape)):
-            idx = idx + (np.arange(n, dtype=np.int64) * s).reshape(
-                [n if j == k else 1 for j in range(len(t.shape))])
-        idx = (idx.reshape(-1, 1) * isz + np.arange(isz)).ravel()
-        return tags[:, idx].reshape(tags.shape[0], -1, isz), idx
+    # strided from the first element, as NkiTensor._np views the data (negative strides
+    # included: the access itself was bounds-checked)
     row, step = tags.strides
     v = as_strided(tags[:, off * isz:], shape=(tags.shape[0],) + t.shape + (isz,),
                    strides=(row,) + tuple(s * isz * step for s in t.strides) + (step,))
@@ -557,10 +551,10 @@ def run_threads(fn, n, name):
     """``fn(i)`` for ``i`` in ``range(n)``, one thread each (named ``name-i``), each following
     the caller's NKI version; waits for all."""
     from . import versions
-    follow = versions.inherited()
+    v = versions.current()
 
     def run(i):
-        with follow():
+        with versions.nki_version(v):
             fn(i)
     threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}") for i in range(n)]
     for t in threads:

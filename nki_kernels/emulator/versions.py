@@ -85,19 +85,6 @@ def nki_version(v):
         stack.pop()
 
 
-def inherited():
-    """A context manager that, entered in another thread, follows the version this thread
-    follows now: a launch's LNC programs run in threads of their own and must follow the
-    version their caller set with ``nki_version`` (a thread-local stack)."""
-    v = current()
-
-    @contextlib.contextmanager
-    def follow():
-        with nki_version(v):
-            yield
-    return follow
-
-
 def at_least(v) -> bool:
     return _key(current()) >= _key(_parse(v))
 

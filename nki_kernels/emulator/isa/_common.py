@@ -130,7 +130,7 @@ def emit(engine_name, opcode, reads, writes, attrs=None, name=None):
         if shared[0] or shared[1]:
             if not (attrs or {}).get("barrier"):
                 core.launch.shared_access(core, opcode, *shared,
-                                          sync=bool((attrs or {}).get("collective")))
+                                          collective=bool((attrs or {}).get("collective")))
             core.launch.step(core)
     return NkiInstruction(opcode, name, rec)
 
