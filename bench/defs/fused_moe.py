@@ -21,8 +21,8 @@ DeepSeek-V3 EP8 T = 8, 4096) take the experts from ``quantize_expert_weights_mx`
 layout, 1 byte per weight + 1/32 scale byte) and are measured against the MX TensorE peak (4x
 bf16) and the HBM roof.
 
-``moe_case(s, dtype, lnc=2)`` builds an LNC=2 case (``fused_moe(lnc=2)``, roofs of two cores);
-the MODELS tier has none yet: an LNC=2 T = 4096 row takes 6 to 8 minutes of emulation (docs/moe.md).
+The prefill targets (T = 4096) also run in bf16 at LNC=2 (``fused_moe(lnc=2)``, the roofs of
+two cores), the case NKI Library's ``moe_cte`` covers (``--vs-nkilib``).
 """
 from __future__ import annotations
 
@@ -179,6 +179,9 @@ def cases(tier: str, target: str):
             yield moe_case(s, "bf16")
         for s in shapes.MOE_TARGETS:
             yield moe_case(s, "fp8")
+        for s in shapes.MOE_TARGETS:
+            if s.tokens > DECODE_T_MAX:
+                yield moe_case(s, "bf16", lnc=2)
         if target == "trn3":
             for s in shapes.MOE_MX_TARGETS:
                 yield moe_case(s, "mx")
