@@ -170,6 +170,32 @@ def test_shared_expert(tgt, rng, regime):
     _run(x, wgu, wd, w, ids, regime, shared=(sg[0].astype(BF16), sd[0].astype(BF16)))
 
 
+def test_shared_block():
+    """The shared expert's token block is chosen apart from the routed one: DeepSeek-V3 EP8
+    (H 7168, shared width 2048) takes 512 tokens on both targets in bf16 and FP8 (its step
+    does not hold a gathered next block), where the routed loop's bound stops at 256 / 384."""
+    from nki_kernels.moe.fused_moe import TB_CHOICES, _sbuf_need, plan_tiles, shared_block
+    for budget in (int(208 * 1024 * 0.9), int(240 * 1024 * 0.9)):       # Trn2, Trn3
+        for wb, fp8 in ((2, False), (1, True)):
+            def need(c, pipelined=False, wb=wb, fp8=fp8):
+                return _sbuf_need(c, 7168, 2048, wb, fp8,
+                                  plan_tiles("prefill", c, 7168, 2048, wb, False), pipelined)
+            assert shared_block(lambda c, b=budget: need(c) <= b) == 512
+            assert need(512, True) > budget
+    assert shared_block(lambda c: False) == TB_CHOICES[0]
+    assert shared_block(lambda c: c <= 256) == 256
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_shared_expert_blocks(tgt, rng, lnc):
+    """Prefill with a shared expert over token blocks of its own (T = 1100: three blocks of
+    367 tokens, while ~69 tokens per expert make the routed blocks 128): at LNC 2 core 0 takes
+    two of them and core 1 one."""
+    x, wgu, wd, w, ids = _case(rng, 1100, 256, 128, 16, 1)
+    sg, sd = _weights(rng, 1, 256, 256)
+    _run(x, wgu, wd, w, ids, "prefill", lnc=lnc, shared=(sg[0].astype(BF16), sd[0].astype(BF16)))
+
+
 def _fp8_case(rng, T, H, I, E, k, dtype, shared=False):
     x = rng.standard_normal((T, H)).astype(BF16)
     wgu, wd = _weights(rng, E, H, I)

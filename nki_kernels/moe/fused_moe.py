@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._limits import sbuf_budget
 from .._validate import (
     GEN_NAMES,
     check_2d,
@@ -62,11 +63,6 @@ from ..quant.mxfp8_matmul import (
     _load_data_tiles,
     quantize_weights_mx,
 )
-
-try:                                   # the shared limits module (being introduced)
-    from .._limits import sbuf_budget as _sbuf_budget
-except ImportError:                    # pragma: no cover - the tree before it lands
-    from ..dense.qkv_proj import _sbuf_budget
 
 _FP8 = ("float8_e4m3", "float8_e4m3fn")
 DECODE_T_MAX = 64        # default regime switch (docs/moe.md): the 64-cycle matmul floor
@@ -122,19 +118,23 @@ def plan_tiles(regime, tb, H, I, w_bytes, tiled) -> MoEPlan:
     return MoEPlan(regime, tb, combined, nf_gu, nf_d, kb_gu, kb_d, fused)
 
 
-def _sbuf_need(tb, H, I, w_bytes, fp8, plan):
+def _sbuf_need(tb, H, I, w_bytes, fp8, plan, pipelined=True):
     """Per-partition SBUF bytes of one expert step (upper bound): xT, h, the weight ring (3
     transfers in flight), the silu tile, two yT buffers, the gathered rows (FP8: and their
-    quantization temporaries), fixed tiles, and what the pipelined loop holds across stages."""
+    quantization temporaries), fixed tiles, and what the pipelined loop holds across stages
+    (``pipelined``, the routed block loop, which gathers block b + 1 during block b's GEMMs;
+    otherwise the shared expert's step, whose rows die before its GEMMs)."""
     KT, KI = cdiv(H, P), cdiv(I, P)
     a = 1 if fp8 else 2
     ring = 3 * 2 * plan.kb_gu * plan.nf_gu * P * w_bytes
     rows = cdiv(tb, P) * H * (5 if fp8 else 2)
     # the pipelined loop holds the next block's drained gate/up passes (FP8: g * a_t and
     # u * scale, fp32; bf16: h) through the down stage, and a few carried rows
+    gemm = KI * tb * (3 if fp8 else 2) + ring + plan.nf_gu * tb * 8 + 2 * plan.nf_d * tb * 4
+    if not pipelined:   # the rows die once transposed into xT, before the GEMMs start
+        return KT * tb * a + max(rows, gemm) + 8 * 1024
     drained = KI * tb * (8 if fp8 else 2) + 4 * tb * 4
-    return (KT * tb * a + KI * tb * (3 if fp8 else 2) + ring + plan.nf_gu * tb * 8
-            + 2 * plan.nf_d * tb * 4 + rows + 8 * 1024 + drained)
+    return KT * tb * a + gemm + rows + 8 * 1024 + drained
 
 
 def local_ids(topk_ids, n_local, expert_offset=0):
@@ -411,6 +411,15 @@ def _sbuf_need_mx(tb, H, I, plan):
     h = 4 * KC * tb * 2 + KC * tb * 4 + cdiv(KC, 4) * tb
     ring = 3 * plan.kb_gu * (KTh * CHUNK + cdiv(KTh, 4) * P)
     return (rows + xq + h + ring + plan.nf_gu * tb * 4 + 2 * plan.nf_d * tb * 4 + 8 * 1024)
+
+
+def shared_block(fits):
+    """Token block of the shared expert in prefill: the largest of ``TB_CHOICES`` whose step
+    ``fits(tb)`` in SBUF. The shared expert is a dense MLP over all T tokens, run block by
+    block before the routed loop (not pipelined with it), and every block streams all of its
+    weights: at the routed block size (DeepSeek-V3 EP8, T = 4096: 256 tokens) its weight stream
+    is as large as the 32 routed experts'."""
+    return max((c for c in TB_CHOICES if fits(c)), default=TB_CHOICES[0])
 
 
 # ---------------------------------------------------------------------------- kernel side
@@ -1024,7 +1033,7 @@ def _store_y_bf16(y, ident, yacc, T, widths):
 @nki.jit
 def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_b, gi_b, si_b,
                              bw_b, s_gu, s_d, sh_gu, sh_d, ss_gu, ss_d, tiled, plan_a, plan_b,
-                             mx=None):
+                             mx=None, sh_tb=None):
     """Prefill MoE: blockwise GEMMs over tokens grouped by expert.
 
     Dimensions:
@@ -1039,6 +1048,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
       bw_*: [C NB, tb] fp32 routing weight of each row (0 for padding).
       plan_a, plan_b: (combined, nf_gu, nf_d, kb_gu, kb_d, fused) of each block size.
       mx: None, or the x4 dtype of MXFP8 weights (as in ``fused_moe_decode_kernel``).
+      sh_tb: token block of the shared expert (``shared_block``; None: the full block size).
     Returns:
       y: [T, H] bf16, shared HBM.
     Notes:
@@ -1114,7 +1124,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
             Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
         if fp8:
             _load_scales(q, ss_gu, ss_d, None, Is, H, ident_f)
-        for i, (t0, tbs) in enumerate(D.token_blocks(T, loops[0][5].tb)):
+        for i, (t0, tbs) in enumerate(D.token_blocks(T, sh_tb or loops[0][5].tb)):
             if i % programs != pid:      # LNC 2: the other core's token block; zeros here
                 zero_rows(t0, t0 + tbs)
                 continue
@@ -1592,7 +1602,7 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
                       s_d, sh_gu, sh_d, ss_gu, ss_d, plan.combined, plan.nf_gu, plan.nf_d,
                       plan.kb_gu, plan.kb_d, tiled, plan.fused)
     counts = np.bincount(lids[lids >= 0].ravel(), minlength=E) if (lids >= 0).any() else []
-    budget = _sbuf_budget()
+    budget = sbuf_budget()
     tb_cap = max(c for c in TB_CHOICES
                  if c == TB_CHOICES[0]
                  or _sbuf_need(c, H, I, wb, fp8, plan_tiles("prefill", c, H, I, wb, tiled))
@@ -1602,9 +1612,14 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     full, tail = plan_prefill_routing(lids, w32, E, tb, tt, lnc, ridge)
     pa = plan_tiles("prefill", tb, H, I, wb, tiled)
     pb = plan_tiles("prefill", tt, H, I, wb, tiled) if tt else None
+    sh_tb = None
+    if sh_gu is not None:
+        Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
+        sh_tb = shared_block(lambda c: _sbuf_need(
+            c, H, Is, wb, fp8, plan_tiles("prefill", c, H, Is, wb, tiled), False) <= budget)
     return launch(fused_moe_prefill_kernel, x, w_gate_up, w_down, *full,
                   *(tail if tail is not None else (None,) * 5), s_gu, s_d, sh_gu, sh_d, ss_gu,
-                  ss_d, tiled, pa.args(), pb.args() if pb else None, lnc=lnc)
+                  ss_d, tiled, pa.args(), pb.args() if pb else None, None, sh_tb, lnc=lnc)
 
 
 def _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_scale,
@@ -1661,16 +1676,18 @@ def _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_
         return launch(fused_moe_decode_kernel, x, g_d, d_d, experts, n, comb, g_s, d_s, *sh,
                       *plan.args()[:5], False, False, x4)
     counts = np.bincount(lids[lids >= 0].ravel(), minlength=E) if (lids >= 0).any() else []
-    budget = _sbuf_budget()
+    budget = sbuf_budget()
     tb_cap = max(c for c in TB_CHOICES if c == TB_CHOICES[0]
                  or _sbuf_need_mx(c, H, I, plan_tiles_mx("prefill", c, H, I)) <= budget)
     tb, tt = choose_blocks(counts, tb_cap, RIDGE_TOKENS_MX)
     full, tail = plan_prefill_routing(lids, w32, E, tb, tt, lnc, RIDGE_TOKENS_MX)
     pa = plan_tiles_mx("prefill", tb, H, I)
     pb = plan_tiles_mx("prefill", tt, H, I) if tt else None
+    sh_tb = shared_block(lambda c: _sbuf_need_mx(
+        c, H, Is, plan_tiles_mx("prefill", c, H, Is)) <= budget) if Is else None
     return launch(fused_moe_prefill_kernel, x, g_d, d_d, *full,
                   *(tail if tail is not None else (None,) * 5), g_s, d_s, *sh, False,
-                  pa.args(), pb.args() if pb else None, x4, lnc=lnc)
+                  pa.args(), pb.args() if pb else None, x4, sh_tb, lnc=lnc)
 
 
 def _check_lnc_regime(name, lnc, regime):
