@@ -182,6 +182,11 @@ def test_shared_block():
                                   plan_tiles("prefill", c, 7168, 2048, wb, False), pipelined)
             assert shared_block(lambda c, b=budget: need(c) <= b) == 512
             assert need(512, True) > budget
+    # LNC 2 on Trn2 (bf16): the other core's zero tile [128, H] fp32 is live beside the step
+    bf16 = [4 * 7168 + _sbuf_need(c, 7168, 2048, 2, False,
+                                  plan_tiles("prefill", c, 7168, 2048, 2, False), False)
+            for c in (384, 512)]
+    assert bf16[1] > int(208 * 1024 * 0.9) >= bf16[0]
     assert shared_block(lambda c: False) == TB_CHOICES[0]
     assert shared_block(lambda c: c <= 256) == 256
 
@@ -194,6 +199,19 @@ def test_shared_expert_blocks(tgt, rng, lnc):
     x, wgu, wd, w, ids = _case(rng, 1100, 256, 128, 16, 1)
     sg, sd = _weights(rng, 1, 256, 256)
     _run(x, wgu, wd, w, ids, "prefill", lnc=lnc, shared=(sg[0].astype(BF16), sd[0].astype(BF16)))
+
+
+@pytest.mark.slow
+def test_shared_expert_blocks_fit_at_lnc2(rng):
+    """DeepSeek-V3 widths (H 7168, shared and expert width 2048) at LNC 2 on Trn2, three shared
+    blocks: core 0 holds the zero tile of core 1's block while it runs its second block, so
+    the shared block drops from 512 to 384 tokens (at 512 the emulator refused: SBUF reused)."""
+    T, H, I = 1536, 7168, 2048
+    x, wgu, wd, w, ids = _case(rng, T, H, I, 2, 1)
+    sg, sd = _weights(rng, 1, H, I)
+    with target("trn2"):
+        _run(x, wgu, wd, w, ids, "prefill", lnc=2,
+             shared=(sg[0].astype(BF16), sd[0].astype(BF16)))
 
 
 def _fp8_case(rng, T, H, I, E, k, dtype, shared=False):

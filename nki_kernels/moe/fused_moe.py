@@ -1615,7 +1615,8 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     sh_tb = None
     if sh_gu is not None:
         Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
-        sh_tb = shared_block(lambda c: _sbuf_need(
+        zero = 4 * H if lnc > 1 else 0     # LNC 2: the zero tile of the other core's blocks
+        sh_tb = shared_block(lambda c: zero + _sbuf_need(
             c, H, Is, wb, fp8, plan_tiles("prefill", c, H, Is, wb, tiled), False) <= budget)
     return launch(fused_moe_prefill_kernel, x, w_gate_up, w_down, *full,
                   *(tail if tail is not None else (None,) * 5), s_gu, s_d, sh_gu, sh_d, ss_gu,
@@ -1683,7 +1684,8 @@ def _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_
     full, tail = plan_prefill_routing(lids, w32, E, tb, tt, lnc, RIDGE_TOKENS_MX)
     pa = plan_tiles_mx("prefill", tb, H, I)
     pb = plan_tiles_mx("prefill", tt, H, I) if tt else None
-    sh_tb = shared_block(lambda c: _sbuf_need_mx(
+    zero = 4 * H if lnc > 1 else 0         # LNC 2: the zero tile of the other core's blocks
+    sh_tb = shared_block(lambda c: zero + _sbuf_need_mx(
         c, H, Is, plan_tiles_mx("prefill", c, H, Is)) <= budget) if Is else None
     return launch(fused_moe_prefill_kernel, x, g_d, d_d, *full,
                   *(tail if tail is not None else (None,) * 5), g_s, d_s, *sh, False,
