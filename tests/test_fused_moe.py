@@ -180,15 +180,17 @@ def test_shared_block():
             def need(c, pipelined=False, wb=wb, fp8=fp8):
                 return _sbuf_need(c, 7168, 2048, wb, fp8,
                                   plan_tiles("prefill", c, 7168, 2048, wb, False), pipelined)
-            assert shared_block(lambda c, b=budget: need(c) <= b) == 512
+            assert shared_block(need, 7168, 1, budget) == 512
             assert need(512, True) > budget
     # LNC 2 on Trn2 (bf16): the other core's zero tile [128, H] fp32 is live beside the step
     bf16 = [4 * 7168 + _sbuf_need(c, 7168, 2048, 2, False,
                                   plan_tiles("prefill", c, 7168, 2048, 2, False), False)
             for c in (384, 512)]
     assert bf16[1] > int(208 * 1024 * 0.9) >= bf16[0]
-    assert shared_block(lambda c: False) == TB_CHOICES[0]
-    assert shared_block(lambda c: c <= 256) == 256
+    assert shared_block(lambda c: _sbuf_need(c, 7168, 2048, 2, False, plan_tiles(
+        "prefill", c, 7168, 2048, 2, False), False), 7168, 2, int(208 * 1024 * 0.9)) == 384
+    assert shared_block(lambda c: 1 << 30, 128, 1, 1 << 20) == TB_CHOICES[0]
+    assert shared_block(lambda c: 0 if c <= 256 else 1 << 30, 128, 1, 1 << 20) == 256
 
 
 @pytest.mark.parametrize("lnc", [1, 2])

@@ -413,13 +413,15 @@ def _sbuf_need_mx(tb, H, I, plan):
     return (rows + xq + h + ring + plan.nf_gu * tb * 4 + 2 * plan.nf_d * tb * 4 + 8 * 1024)
 
 
-def shared_block(fits):
+def shared_block(need, H, lnc, budget):
     """Token block of the shared expert in prefill: the largest of ``TB_CHOICES`` whose step
-    ``fits(tb)`` in SBUF. The shared expert is a dense MLP over all T tokens, run block by
-    block before the routed loop (not pipelined with it), and every block streams all of its
-    weights: at the routed block size (DeepSeek-V3 EP8, T = 4096: 256 tokens) its weight stream
-    is as large as the 32 routed experts'."""
-    return max((c for c in TB_CHOICES if fits(c)), default=TB_CHOICES[0])
+    (``need(tb)`` SBUF bytes per partition) fits ``budget``; at LNC 2 a core also holds the
+    zero tile [128, H] fp32 of the other core's blocks. The shared expert is a dense MLP over
+    all T tokens, run block by block before the routed loop (not pipelined with it), and every
+    block streams all of its weights: at the routed block size (DeepSeek-V3 EP8, T = 4096: 256
+    tokens) its weight stream is as large as the 32 routed experts'."""
+    zero = 4 * H if lnc > 1 else 0
+    return max((c for c in TB_CHOICES if zero + need(c) <= budget), default=TB_CHOICES[0])
 
 
 # ---------------------------------------------------------------------------- kernel side
@@ -1588,8 +1590,10 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
                              f"FP8 weights (weights are {wdt})")
         s_gu = s_d = None
     sh_gu = sh_d = ss_gu = ss_d = None
+    Is = 0
     if shared is not None:
-        sh_gu, sh_d, ss_gu, ss_d = _check_shared(name, shared, shared_scales, H, wdt, tiled, fp8)
+        sh_gu, sh_d, ss_gu, ss_d, Is = _check_shared(name, shared, shared_scales, H, wdt, tiled,
+                                                     fp8)
     regime = _regime(name, T, regime)
     lnc = _check_lnc_regime(name, lnc, regime)
     lids = local_ids(ids, E, expert_offset)
@@ -1612,12 +1616,8 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     full, tail = plan_prefill_routing(lids, w32, E, tb, tt, lnc, ridge)
     pa = plan_tiles("prefill", tb, H, I, wb, tiled)
     pb = plan_tiles("prefill", tt, H, I, wb, tiled) if tt else None
-    sh_tb = None
-    if sh_gu is not None:
-        Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
-        zero = 4 * H if lnc > 1 else 0     # LNC 2: the zero tile of the other core's blocks
-        sh_tb = shared_block(lambda c: zero + _sbuf_need(
-            c, H, Is, wb, fp8, plan_tiles("prefill", c, H, Is, wb, tiled), False) <= budget)
+    sh_tb = shared_block(lambda c: _sbuf_need(c, H, Is, wb, fp8, plan_tiles(
+        "prefill", c, H, Is, wb, tiled), False), H, lnc, budget) if Is else None
     return launch(fused_moe_prefill_kernel, x, w_gate_up, w_down, *full,
                   *(tail if tail is not None else (None,) * 5), s_gu, s_d, sh_gu, sh_d, ss_gu,
                   ss_d, tiled, pa.args(), pb.args() if pb else None, None, sh_tb, lnc=lnc)
@@ -1684,9 +1684,8 @@ def _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_
     full, tail = plan_prefill_routing(lids, w32, E, tb, tt, lnc, RIDGE_TOKENS_MX)
     pa = plan_tiles_mx("prefill", tb, H, I)
     pb = plan_tiles_mx("prefill", tt, H, I) if tt else None
-    zero = 4 * H if lnc > 1 else 0         # LNC 2: the zero tile of the other core's blocks
-    sh_tb = shared_block(lambda c: zero + _sbuf_need_mx(
-        c, H, Is, plan_tiles_mx("prefill", c, H, Is)) <= budget) if Is else None
+    sh_tb = shared_block(lambda c: _sbuf_need_mx(c, H, Is, plan_tiles_mx("prefill", c, H, Is)),
+                         H, lnc, budget) if Is else None
     return launch(fused_moe_prefill_kernel, x, g_d, d_d, *full,
                   *(tail if tail is not None else (None,) * 5), g_s, d_s, *sh, False,
                   pa.args(), pb.args() if pb else None, x4, sh_tb, lnc=lnc)
@@ -1875,8 +1874,8 @@ def _check_shared(name, shared, scales, H, wdt, tiled, fp8):
             raise ValueError(f"{name}: FP8 shared expert needs shared_scales = ([2Is], [H])")
         ss_gu = _scales(name, "shared_scales[0]", scales[0], (2 * Is,))
         ss_d = _scales(name, "shared_scales[1]", scales[1], (H,))
-        return g, d, ss_gu, ss_d
-    return g, d, None, None
+        return g, d, ss_gu, ss_d, Is
+    return g, d, None, None, Is
 
 
 __all__ = ["fused_moe", "fused_moe_decode_kernel", "fused_moe_prefill_kernel", "MoEPlan",
