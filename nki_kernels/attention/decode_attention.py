@@ -58,6 +58,7 @@ from .split_kv import (
     fold_slots,
     merge_split,
     plan_split_kv,
+    slot_selector,
     split_parts,
     transpose_slots,
 )
@@ -324,6 +325,8 @@ class _Run:
         # triggers bind (Llama-3-70B TP8 B=8 L=8K paged/64); one page in SWDGE_EVERY goes
         # through the software DGE on GpSimd instead
         self.swdge_every = SWDGE_EVERY if cfg.packed else 0
+        # packed plans: the slots' selection matrix of every item's fold (rows = W: one head)
+        self.sel = slot_selector(cfg.W, cfg.W) if cfg.packed else None
         # Q^T by hardware-DGE DMA transposes (2-byte q; the hwdge shape rule: s_q in {1, 2, 4,
         # 8, 16}, s_q G a multiple of 16, d <= 128)
         self.q_dma_t = (not self.pairs and cfg.d <= P and q.dtype.itemsize == 2
@@ -526,7 +529,7 @@ class _Run:
         cfg = self.cfg
         for grp in groups:
             if grp.psm is not None:      # the packed slots' states into the row state
-                fold_slots(grp.sm, grp.psm, cfg.nslot, cfg.W, grp.rows)
+                fold_slots(grp.sm, grp.psm, cfg.nslot, cfg.W, grp.rows, self.sel)
                 grp.psm = None
             sm = grp.sm
             if it.n_parts > 1 and it.part > 0:

@@ -55,6 +55,7 @@ from .split_kv import (
     fold_slots,
     merge_split,
     plan_split_kv,
+    slot_selector,
     split_parts,
     transpose_slots,
 )
@@ -253,6 +254,8 @@ class _Run:
         self.n_evict = 0
         self.n_deq = 0
         self.pending = {}
+        # packed plans: the slots' selection matrix of every item's fold (one row group)
+        self.sel = slot_selector(cfg.W, cfg.group_rows(0)) if cfg.nslot > 1 else None
 
     def items(self, mine):
         lay, cfg = self.lay, self.cfg
@@ -389,7 +392,7 @@ class _Run:
         for grp in groups:
             sm = grp.sm
             if grp.psm is not None:
-                fold_slots(grp.sm, grp.psm, self.cfg.nslot, self.cfg.W, grp.rows)
+                fold_slots(grp.sm, grp.psm, self.cfg.nslot, self.cfg.W, grp.rows, self.sel)
             if it.n_parts > 1 and it.part > 0:
                 k = self.split.index(it)
                 st = nl.ndarray((grp.rows, D_LATENT + 2), dtype=nl.float32, buffer=nl.sbuf)

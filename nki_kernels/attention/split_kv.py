@@ -29,6 +29,7 @@ import numpy as np
 from ..backend import nisa, nl
 
 P = 128
+MM_N = 512            # moving columns per fp32 matmul (one PSUM bank)
 
 
 @dataclass(frozen=True)
@@ -153,68 +154,92 @@ def transpose_slots(Pm, Ts: int, evict):
     return pT
 
 
-def fold_slots(sm, psm, nslot: int, W: int, rows: int):
+def slot_selector(W: int, rows: int):
+    """fp32 ``[128, rows]`` selection matrix ``S[s W + r, r] = 1`` (``r < rows <= W``), else 0:
+    as a matmul's stationary it adds row ``r`` of every slot into output row ``r``.
+    ``v = 128 + p - r`` (GpSimd iota), then ``(v & (W - 1)) == 0`` on VectorE (bitwise ALU ops
+    run there only; W is a power of two and ``p - r`` lies in ``(-W, 128)``, so only the slots'
+    rows match). No operand depends on data: the two small passes fill VectorE's wait for the
+    fold's first transpose."""
+    idx = nl.ndarray((P, rows), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.iota(dst=idx, pattern=[[-1, rows]], offset=P, channel_multiplier=1)
+    nisa.tensor_scalar(dst=idx, data=idx, op0=nl.bitwise_and, operand0=W - 1)
+    sel = nl.ndarray((P, rows), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=sel, data=idx, op0=nl.equal, operand0=0)
+    return sel
+
+
+def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel=None):
     """Fold the packed slots' states into the row state ``sm`` (partitions ``[0, rows)``): slot
     s holds its share of the full tiles' keys on partitions ``[s W, s W + rows)``.
 
-    The slots are moved onto partitions ``[0, rows)`` by two exact TensorE transposes (fp32
-    transpose mode): the state ``[128, c]`` to ``[c, 128]`` (evicted once), then each slot's
-    columns ``[c, rows]`` back to ``[rows, c]`` in PSUM, where the merge reads them (an SBUF-to-
-    SBUF DMA per slot waited ~2 us of DMA latency at the end of every item). Then every state
-    (the slots, and ``sm`` if it has started: an item whose tiles all ran packed leaves it
-    empty) is merged in one exact log-sum-exp pass: ``m = max_i m_i``,
-    ``w_i = e^(xmul (m_i - m))``, ``o = sum_i w_i o_i``, ``l = sum_i w_i l_i``."""
+    Every state (the slots, and ``sm`` if it has started: an item whose tiles all ran packed
+    leaves it empty) is merged in one exact log-sum-exp pass, ``m = max_i m_i``,
+    ``w_i = e^(xmul (m_i - m))``, ``o = sum_i w_i o_i``, ``l = sum_i w_i l_i``, in few dependent
+    steps (the fold is the tail of a lone long sequence): the slots' maxima go to one partition
+    by an exact TensorE transpose (fp32), are reduced across the slots (and the row state) and
+    subtracted there, and come back as a column for one exponential; the weighted ``[o | l]``
+    of all 128 slot rows is then summed onto rows ``[0, rows)`` by one fp32 matmul against the
+    selection matrix of :func:`slot_selector` (0/1 weights: each output is a sum of ``nslot``
+    fp32 products, as exact as adds). Rows of a slot past ``rows`` (zero queries) hold finite
+    states and are weighted 0. (Issuing the weights' half as soon as the maxima are final, before
+    the item's last P V products, modeled no better: its instructions then wait in the in-order
+    queues of TensorE and VectorE ahead of those products.) ``sel``: the selection matrix, built
+    once by the caller (at the kernel's start, where it waits for nothing), else here."""
     d = sm.d
-    n = nslot + (1 if sm.started else 0)
     f32 = nl.float32
-    # m and l side by side: one transpose pair moves both
-    ml = nl.ndarray((P, 2), dtype=f32, buffer=nl.sbuf)                           # [128, 2]
-    nisa.tensor_copy(dst=ml[:, 0:1], src=psm.mp[:, 0:1], engine=nisa.engine.vector)
-    nisa.tensor_copy(dst=ml[:, 1:2], src=psm.l, engine=nisa.engine.vector)
-    chunks = [(c0, min(d, c0 + P)) for c0 in range(0, d, P)]
-    t_ps = nl.ndarray((P, len(chunks) + 1, P), dtype=f32, buffer=nl.psum)      # [c, chunk, 128]
-    tT = nl.ndarray((P, len(chunks) + 1, P), dtype=f32, buffer=nl.sbuf)
-    nisa.nc_transpose(dst=t_ps[0:2, 0, :], data=ml, engine=nisa.engine.tensor)
-    for k, (c0, c1) in enumerate(chunks):
-        nisa.nc_transpose(dst=t_ps[0:c1 - c0, k + 1, :], data=psm.o[:, c0:c1],
+    started = sm.started
+    if sel is None:
+        sel = slot_selector(W, rows)
+    # the maxima on one partition: [1, 128] of the slots (+ [1, rows] of the row state)
+    n_m = P + (rows if started else 0)
+    mT = nl.ndarray((1, n_m), dtype=f32, buffer=nl.psum)
+    nisa.nc_transpose(dst=mT[0:1, 0:P], data=psm.mp[:, 0:1], engine=nisa.engine.tensor)
+    if started:
+        nisa.nc_transpose(dst=mT[0:1, P:P + rows], data=sm.mp[:, 0:1], engine=nisa.engine.tensor)
+    ms = nl.ndarray((1, n_m), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=ms, src=mT, engine=nisa.engine.vector)
+    # m per row position across the slots (and the row state), then m_i - m for every state
+    mr = nl.ndarray((1, W), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=mr, data1=ms[0:1, 0:W], data2=ms[0:1, W:2 * W], op=nl.maximum)
+    for s in range(2, nslot):
+        nisa.tensor_tensor(dst=mr, data1=mr, data2=ms[0:1, s * W:(s + 1) * W], op=nl.maximum)
+    if started:
+        nisa.tensor_tensor(dst=mr[0:1, 0:rows], data1=mr[0:1, 0:rows],
+                           data2=ms[0:1, P:P + rows], op=nl.maximum)
+    e = nl.ndarray((1, n_m), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=e[0:1, 0:P].reshape_dim(1, (nslot, W)),
+                       data1=ms[0:1, 0:P].reshape_dim(1, (nslot, W)),
+                       data2=mr.reshape_dim(1, (1, W)).broadcast(1, nslot), op=nl.subtract)
+    if started:
+        nisa.tensor_tensor(dst=e[0:1, P:P + rows], data1=ms[0:1, P:P + rows],
+                           data2=mr[0:1, 0:rows], op=nl.subtract)
+    # back to partitions: the weights w_i, and m itself for the row state
+    eT = nl.ndarray((P, 3), dtype=f32, buffer=nl.psum)
+    nisa.nc_transpose(dst=eT[:, 0:1], data=e[0:1, 0:P], engine=nisa.engine.tensor)
+    if started:
+        nisa.nc_transpose(dst=eT[0:rows, 1:2], data=e[0:1, P:P + rows],
                           engine=nisa.engine.tensor)
-    nisa.tensor_copy(dst=tT[0:2, 0, :], src=t_ps[0:2, 0, :], engine=nisa.engine.vector)
-    for k, (c0, c1) in enumerate(chunks):
-        nisa.tensor_copy(dst=tT[0:c1 - c0, k + 1, :], src=t_ps[0:c1 - c0, k + 1, :],
-                         engine=nisa.engine.scalar if k % 2 else nisa.engine.vector)
-    ml_ps = nl.ndarray((rows, nslot, 2), dtype=f32, buffer=nl.psum)             # [rows, slot, 2]
-    for s in range(nslot):
-        nisa.nc_transpose(dst=ml_ps[:, s, :], data=tT[0:2, 0, s * W:s * W + rows],
-                          engine=nisa.engine.tensor)
-    srcs = [psm.o[0:rows, :]]
-    for s in range(1, nslot):
-        o_ps = nl.ndarray((rows, d), dtype=f32, buffer=nl.psum)                  # [rows, d]
-        for k, (c0, c1) in enumerate(chunks):
-            nisa.nc_transpose(dst=o_ps[:, c0:c1], data=tT[0:c1 - c0, k + 1, s * W:s * W + rows],
-                              engine=nisa.engine.tensor)
-        srcs.append(o_ps)
-    st = nl.ndarray((rows, n, 2), dtype=f32, buffer=nl.sbuf)                     # [rows, n, 2]
-    nisa.tensor_copy(dst=st[:, 0:nslot, :], src=ml_ps, engine=nisa.engine.vector)
-    if sm.started:
-        nisa.tensor_copy(dst=st[:, nslot, 0:1], src=sm.mp[:, 0:1], engine=nisa.engine.vector)
-        nisa.tensor_copy(dst=st[:, nslot, 1:2], src=sm.l, engine=nisa.engine.vector)
-        srcs.append(sm.o)
-    ms, ls = st[:, :, 0], st[:, :, 1]
-    m = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=m, data=ms, op=nl.maximum, axis=1)
-    nb = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=nb, data=m, op0=nl.multiply, operand0=-sm.xmul)
-    w = nl.ndarray((rows, n), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=w, op=nl.exp, data=ms, bias=nb, scale=sm.xmul)
-    o = nl.ndarray((rows, d), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=o, data=srcs[0], op0=nl.multiply, operand0=w[:, 0:1])
-    for i in range(1, n):
-        nisa.scalar_tensor_tensor(dst=o, data=srcs[i], op0=nl.multiply, operand0=w[:, i:i + 1],
-                                  op1=nl.add, operand1=o)
-    wl = nl.ndarray((rows, n), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=wl, data1=w, data2=ls, op=nl.multiply)
-    l_new = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=l_new, data=wl, op=nl.add, axis=1)
-    sm.o, sm.l = o, l_new
-    nisa.tensor_copy(dst=sm.mp[:, 0:1], src=m, engine=nisa.engine.vector)
+    nisa.nc_transpose(dst=eT[0:rows, 2:3], data=mr[0:1, 0:rows], engine=nisa.engine.tensor)
+    w = nl.ndarray((P, 2), dtype=f32, buffer=nl.sbuf)
+    nisa.activation(dst=w[:, 0:1], op=nl.exp, data=eT[:, 0:1], scale=sm.xmul)
+    # the weighted slot states [o | l], summed onto rows [0, rows) by the selection matmul
+    ol = nl.ndarray((P, d + 1), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ol[:, 0:d], data=psm.o, op0=nl.multiply, operand0=w[:, 0:1])
+    nisa.tensor_scalar(dst=ol[:, d:d + 1], data=psm.l, op0=nl.multiply, operand0=w[:, 0:1])
+    acc = nl.ndarray((rows, d + 1), dtype=f32, buffer=nl.psum)
+    for c0 in range(0, d + 1, MM_N):
+        c1 = min(d + 1, c0 + MM_N)
+        nisa.nc_matmul(dst=acc[:, c0:c1], stationary=sel, moving=ol[:, c0:c1])
+    o = nl.ndarray((rows, d + 1), dtype=f32, buffer=nl.sbuf)
+    if started:     # + w o and w l of the row state (its rows are the outputs' partitions)
+        nisa.activation(dst=w[0:rows, 1:2], op=nl.exp, data=eT[0:rows, 1:2], scale=sm.xmul)
+        nisa.scalar_tensor_tensor(dst=o[:, 0:d], data=sm.o, op0=nl.multiply,
+                                  operand0=w[0:rows, 1:2], op1=nl.add, operand1=acc[:, 0:d])
+        nisa.scalar_tensor_tensor(dst=o[:, d:d + 1], data=sm.l, op0=nl.multiply,
+                                  operand0=w[0:rows, 1:2], op1=nl.add, operand1=acc[:, d:d + 1])
+    else:
+        nisa.tensor_copy(dst=o, src=acc, engine=nisa.engine.vector)
+    nisa.tensor_copy(dst=sm.mp[:, 0:1], src=eT[0:rows, 2:3], engine=nisa.engine.scalar)
+    sm.o, sm.l = o[:, 0:d], o[:, d:d + 1]
     sm.mark_started()
