@@ -170,8 +170,8 @@ def slot_selector(W: int, rows: int):
 
 
 def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel=None):
-    """Fold the packed slots' states into the row state ``sm`` (partitions ``[0, rows)``): slot
-    s holds its share of the full tiles' keys on partitions ``[s W, s W + rows)``.
+    """Fold the packed slots' states into the row state ``sm`` (partitions ``[0, rows)``):
+    slot s holds its share of the full tiles' keys on partitions ``[s W, s W + rows)``.
 
     Every state (the slots, and ``sm`` if it has started: an item whose tiles all ran packed
     leaves it empty) is merged in one exact log-sum-exp pass, ``m = max_i m_i``,
@@ -181,11 +181,13 @@ def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel=None):
     subtracted there, and come back as a column for one exponential; the weighted ``[o | l]``
     of all 128 slot rows is then summed onto rows ``[0, rows)`` by one fp32 matmul against the
     selection matrix of :func:`slot_selector` (0/1 weights: each output is a sum of ``nslot``
-    fp32 products, as exact as adds). Rows of a slot past ``rows`` (zero queries) hold finite
-    states and are weighted 0. (Issuing the weights' half as soon as the maxima are final, before
-    the item's last P V products, modeled no better: its instructions then wait in the in-order
-    queues of TensorE and VectorE ahead of those products.) ``sel``: the selection matrix, built
-    once by the caller (at the kernel's start, where it waits for nothing), else here."""
+    fp32 products, as exact as adds; a 0/1 stationary takes the documented
+    ``is_stationary_onezero`` hint, which halves an fp32 matmul's time). Rows of a slot past
+    ``rows`` (zero queries) hold finite states and are weighted 0. (Issuing the weights' half
+    as soon as the maxima are final, before the item's last P V products, modeled no better:
+    its instructions then wait in the in-order queues of TensorE and VectorE ahead of those
+    products.) ``sel``: the selection matrix, built once by the caller (at the kernel's start,
+    where it waits for nothing), else here."""
     d = sm.d
     f32 = nl.float32
     started = sm.started
@@ -230,7 +232,8 @@ def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel=None):
     acc = nl.ndarray((rows, d + 1), dtype=f32, buffer=nl.psum)
     for c0 in range(0, d + 1, MM_N):
         c1 = min(d + 1, c0 + MM_N)
-        nisa.nc_matmul(dst=acc[:, c0:c1], stationary=sel, moving=ol[:, c0:c1])
+        nisa.nc_matmul(dst=acc[:, c0:c1], stationary=sel, moving=ol[:, c0:c1],
+                       is_stationary_onezero=True)
     o = nl.ndarray((rows, d + 1), dtype=f32, buffer=nl.sbuf)
     if started:     # + w o and w l of the row state (its rows are the outputs' partitions)
         nisa.activation(dst=w[0:rows, 1:2], op=nl.exp, data=eT[0:rows, 1:2], scale=sm.xmul)
