@@ -29,7 +29,6 @@ import numpy as np
 from ..backend import nisa, nl
 
 P = 128
-MM_N = 512            # moving columns per fp32 matmul (one PSUM bank)
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,7 @@ def slot_selector(W: int, rows: int):
     return sel
 
 
-def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel=None):
+def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel):
     """Fold the packed slots' states into the row state ``sm`` (partitions ``[0, rows)``):
     slot s holds its share of the full tiles' keys on partitions ``[s W, s W + rows)``.
 
@@ -186,13 +185,11 @@ def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel=None):
     ``rows`` (zero queries) hold finite states and are weighted 0. (Issuing the weights' half
     as soon as the maxima are final, before the item's last P V products, modeled no better:
     its instructions then wait in the in-order queues of TensorE and VectorE ahead of those
-    products.) ``sel``: the selection matrix, built once by the caller (at the kernel's start,
-    where it waits for nothing), else here."""
+    products.) ``sel``: :func:`slot_selector` ``(W, rows)``, built once by the caller at the
+    kernel's start, where it waits for nothing."""
     d = sm.d
     f32 = nl.float32
     started = sm.started
-    if sel is None:
-        sel = slot_selector(W, rows)
     # the maxima on one partition: [1, 128] of the slots (+ [1, rows] of the row state)
     n_m = P + (rows if started else 0)
     mT = nl.ndarray((1, n_m), dtype=f32, buffer=nl.psum)
@@ -230,8 +227,9 @@ def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel=None):
     nisa.tensor_scalar(dst=ol[:, 0:d], data=psm.o, op0=nl.multiply, operand0=w[:, 0:1])
     nisa.tensor_scalar(dst=ol[:, d:d + 1], data=psm.l, op0=nl.multiply, operand0=w[:, 0:1])
     acc = nl.ndarray((rows, d + 1), dtype=f32, buffer=nl.psum)
-    for c0 in range(0, d + 1, MM_N):
-        c1 = min(d + 1, c0 + MM_N)
+    bank = nl.tile_size.psum_fmax                       # fp32 columns of one PSUM bank
+    for c0 in range(0, d + 1, bank):
+        c1 = min(d + 1, c0 + bank)
         nisa.nc_matmul(dst=acc[:, c0:c1], stationary=sel, moving=ol[:, c0:c1],
                        is_stationary_onezero=True)
     o = nl.ndarray((rows, d + 1), dtype=f32, buffer=nl.sbuf)
