@@ -258,6 +258,8 @@ def _profile_parser(sub):
                    help="a bench op (nki-kernels bench --list), or a kernel given as "
                         "path/to/module.py:name or package.module:name")
     p.add_argument("--shape", metavar="TEXT", help="only bench shapes whose name contains TEXT")
+    p.add_argument("--dtype", metavar="TEXT",
+                   help="only bench cases whose dtype label contains TEXT (e.g. 'fp8', 'bf16')")
     p.add_argument("--tier", choices=TIERS, default=None, help="shape tier (default fast)")
     p.add_argument("--target", choices=TARGETS, default="trn3", help="default trn3")
     p.add_argument("--out", metavar="DIR", type=Path,
@@ -267,7 +269,9 @@ def _profile_parser(sub):
                         "SHAPE[:DTYPE] for a random array (128x512:bfloat16; dtype default "
                         "bfloat16) or a Python literal (3, True, 'causal'); without --arg the "
                         "module's profile_inputs() supplies them")
-    p.add_argument("--lnc", type=int, choices=(1, 2), default=1, help="module kernels: LNC")
+    p.add_argument("--lnc", type=int, choices=(1, 2), default=None,
+                   help="bench cases: only those launched at this LNC; module kernels: the LNC "
+                        "to launch at (default 1)")
     p.add_argument("--max-events", type=int, default=None, metavar="N",
                    help="aggregate the trace past N boxes (default 100000)")
     p.add_argument("--top", type=int, default=12, help="rows of the top-instructions table")
@@ -323,14 +327,17 @@ def _profile_jobs(args):
     from nki_kernels.bench import harness
     tier = args.tier or getattr(harness, "DEFAULT_TIER", "fast")
     try:
-        cases = harness.select([args.op], tier, args.target, args.shape)
+        cases = harness.select([args.op], tier, args.target, args.shape, args.dtype)
     except harness.BenchError as e:
         raise ValueError(f"{e} (or give a kernel as path/to/module.py:name)") from None
+    cases = [c for c in cases if args.lnc is None or c.lnc == args.lnc]
     if not cases:
         raise ValueError(f"no {args.op} case in tier {tier}"
                          + (f" with a shape containing {args.shape!r}" if args.shape else "")
+                         + (f" and a dtype containing {args.dtype!r}" if args.dtype else "")
+                         + (f" at LNC {args.lnc}" if args.lnc else "")
                          + "; see nki-kernels bench --list --op " + args.op)
-    return [(f"{c.op} {c.shape} {c.dtype}", c.run,
+    return [(f"{c.op} {c.shape} {c.dtype}" + (f" LNC={c.lnc}" if c.lnc > 1 else ""), c.run,
              c.make_inputs(harness.case_rng(c, args.seed)), {}, c.lnc) for c in cases]
 
 
@@ -374,7 +381,7 @@ def _module_job(args):
     else:
         raise ValueError(f"{args.op}: no inputs; pass --arg SHAPE[:DTYPE] per kernel argument "
                          f"or define profile_inputs() in the module (docs/profiling.md)")
-    return (kname, fn, fargs, kw, args.lnc)
+    return (kname, fn, fargs, kw, args.lnc or 1)
 
 
 def _input(spec, rng):
