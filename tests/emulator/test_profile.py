@@ -275,6 +275,13 @@ def test_cli_profile_op(tmp_path, capsys):
     assert "modeled profile of matmul" in out and "critical path" in out
     traces = list(tmp_path.glob("*.trace.json"))
     assert traces and json.loads(traces[0].read_text())["traceEvents"]
+    # --dtype and --lnc narrow the bench cases; none left is an error naming the filters
+    assert main(["profile", "matmul", "--tier", "fast", "--shape", shape, "--dtype", "nope",
+                 "--out", str(tmp_path)]) == 2
+    assert "dtype containing 'nope'" in capsys.readouterr().err
+    assert main(["profile", "matmul", "--tier", "fast", "--shape", shape, "--lnc", "2",
+                 "--out", str(tmp_path)]) == 2
+    assert "at LNC 2" in capsys.readouterr().err
     pytest.importorskip("matplotlib")
     assert main(["profile", "matmul", "--tier", "fast", "--shape", shape, "--png", "0:5",
                  "--quiet", "--out", str(tmp_path)]) == 0
