@@ -35,6 +35,8 @@ from bisect import bisect_right
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .. import hardware
 
 __all__ = ["CostReport", "estimate", "model_trace", "dependencies", "ENGINES"]
@@ -79,6 +81,7 @@ class CostReport:
     flops_by_kind: dict = field(default_factory=dict)  # bf16 | fp8 | mx | fp32 -> flops
     launch_e2e_ns: float = 0.0       # host-side launch overhead per call, NOT in total_ns
     elided: int = 0                  # instructions the compiler drops (dead PSUM memsets)
+    sbuf_waits: int = 0              # SBUF tiles that waited for room (``sbuf_bound``)
 
     @property
     def end_to_end_ns(self) -> float:
@@ -108,7 +111,8 @@ class CostReport:
                  f"  {self.n_launches} launch(es); end to end with host launch overhead "
                  f"({self.launch_e2e_ns / 1000:.1f} us each): {self.end_to_end_ns / 1000:.3f} us",
                  f"  {self.n_instructions} instructions ({self.elided} dropped as dead); "
-                 f"{self.dma_transfers} DMA transfers, {self.dma_descriptors} descriptors",
+                 f"{self.dma_transfers} DMA transfers, {self.dma_descriptors} descriptors; "
+                 f"{self.sbuf_waits} SBUF tiles waited for room",
                  "",
                  f"  {'engine (modeled)':<18}{'busy us':>10}{'busy %':>8}"]
         for e in ENGINES:
@@ -227,7 +231,7 @@ def model_trace(trace, target="trn3", lnc=None, launch_ns=None, schedules=None,
         launch_ns=L_ns, makespan_ns=t0 - n_overheads * L_ns, per_core_busy_ns=acc.per_core,
         dma_transfers=acc.n_dma, dma_bytes=int(acc.dma_bytes), dma_descriptors=int(acc.n_desc),
         tensor_ideal_ns=acc.ideal, throttle_ns=acc.throttle, flops_by_kind=dict(acc.by_kind),
-        launch_e2e_ns=cp.launch_e2e_ns, elided=acc.elided)
+        launch_e2e_ns=cp.launch_e2e_ns, elided=acc.elided, sbuf_waits=acc.sbuf_waits)
     for obs in list(_observers):
         obs(trace, schedules, rep)
     return rep
@@ -256,6 +260,7 @@ class _Totals:
         self.by_kind = {"bf16": 0.0, "fp8": 0.0, "mx": 0.0, "fp32": 0.0}
         self.per_core = []
         self.elided = 0
+        self.sbuf_waits = 0
 
 
 def _compress(rows, limit=20):
@@ -891,6 +896,79 @@ def _dependencies(items, rename=True):
                     pair[1].append(entry)
 
 
+def _capacity_bound(items, cap, pmax):
+    """SBUF capacity as a bound on prefetch: edges from a tile's first access to the last
+    accesses of earlier tiles whose space it takes. Returns the number of tiles that waited.
+
+    Without it a tile allocated in a loop body gets fresh storage with no tie to the tile that
+    last held its addresses, so loads into such tiles run ahead without limit. Here each
+    program's unpinned SBUF tiles take space from their first access to their last one (program
+    order, as the compiler's liveness-based allocator sees them): rows of the bytes their
+    accesses span, over the partitions they touch. Space of a tile dead in program order is
+    reused only when needed: a tile whose first access does not fit beside the space still held
+    takes the space of dead tiles of its own allocating statement first (the allocator's
+    rotation of a loop's buffers), then of any dead tile, oldest death first (no fragmentation),
+    and waits for each one's last accesses: its last access on each in-order engine queue and
+    every DMA that touched it. When even that does not make room (the kernel's live tiles exceed
+    SBUF: the compiler would spill), the tile is placed anyway; spilling is not modeled. Tiles
+    placed by ``address=`` are the kernel's placement and are not counted.
+    """
+    first, last, rows, parts, final, site = {}, {}, {}, {}, {}, {}
+    for it in items:
+        if it.dead:
+            continue
+        for op in it.ins.reads + it.ins.writes:
+            if op.buffer != "sbuf" or op.pinned:
+                continue
+            key = (it.prog, op.alloc)
+            if key not in first:
+                first[key] = it.i
+                rows[key] = [op.extent[0], op.extent[1]]
+                parts[key] = [op.partitions[0], op.partitions[1]]
+                final[key] = {}
+                site[key] = (it.prog, op.site)
+            else:
+                r, p = rows[key], parts[key]
+                r[0], r[1] = min(r[0], op.extent[0]), max(r[1], op.extent[1])
+                p[0], p[1] = min(p[0], op.partitions[0]), max(p[1], op.partitions[1])
+            last[key] = it.i
+            final[key][it.i if it.kind == "dma" else it.q] = it.i
+    starts, ends = {}, {}
+    for key, i in first.items():
+        starts.setdefault(i, []).append(key)
+    for key, i in last.items():
+        ends.setdefault(i, []).append(key)
+    usage, dead, dead_at = {}, {}, {}
+    waited = 0
+    for it in items:
+        for key in starts.get(it.i, ()):
+            use = usage.get(key[0])
+            if use is None:
+                use = usage[key[0]] = np.zeros(pmax, dtype=np.int64)
+                dead[key[0]] = deque()
+            p0, p1 = parts[key]
+            size = rows[key][1] - rows[key][0]
+            new = set()
+            for fifo in (dead_at.get(site[key]), dead[key[0]]):
+                while fifo and int(use[p0:p1].max(initial=0)) + size > cap:
+                    old = fifo.popleft()
+                    if old not in final:             # reclaimed already, from the other list
+                        continue
+                    q0, q1 = parts[old]
+                    use[q0:q1] -= rows[old][1] - rows[old][0]
+                    new.update(final.pop(old).values())
+            if new:
+                waited += 1
+                new.update(it.deps)
+                new.discard(it.i)
+                it.deps = tuple(sorted(new))
+            use[p0:p1] += size
+        for key in ends.get(it.i, ()):
+            dead[key[0]].append(key)
+            dead_at.setdefault(site[key], deque()).append(key)
+    return waited
+
+
 # ============================================================================== the schedule
 class _Seg:
     __slots__ = ("tr", "k", "work", "hbm", "rate", "f", "start", "el")
@@ -1161,6 +1239,8 @@ class _Schedule:
         _dead_psum_memsets(items)
         self.elided = sum(1 for it in items if it.dead)
         _dependencies(items, cp.rename_onchip)
+        self.capacity_waits = _capacity_bound(items, gen.sbuf_usable_bytes, gen.pmax) \
+            if cp.sbuf_bound else 0
         # queues
         self.qlist = {}
         self.floating = []
@@ -1441,6 +1521,7 @@ class _Schedule:
     # ------------------------------------------------------------------ results
     def collect(self, acc):
         acc.elided += self.elided
+        acc.sbuf_waits += self.capacity_waits
         acc.flops += self.flops
         acc.tflops_t += self.tflops_t
         acc.hbm_r += self.hbm_r

@@ -97,7 +97,7 @@ class Storage:
 
     __slots__ = ("id", "buffer", "raw", "nbytes", "partitions", "row_bytes", "name", "core",
                  "p0", "addr", "mm_written", "dtype", "site", "retired", "pitch", "pending",
-                 "last_use", "__weakref__")
+                 "last_use", "pinned", "__weakref__")
 
     def __init__(self, buffer, nbytes, dtype, name="", partitions=1, row_bytes=None, core=None):
         self.id = next(_alloc_ids)
@@ -117,6 +117,7 @@ class Storage:
         self.last_use = 0      # _uses tick of the latest access (0: never used)
         self.pitch = self.nbytes  # HBM: bytes of one row (last dim) of the allocated shape
         self.pending = None    # SBUF: the allocator that places it at its first use
+        self.pinned = False    # on-chip, placed by ``address=`` (the kernel owns the placement)
 
     def __repr__(self):
         return f"<{self.buffer.name} alloc #{self.id} {self.name!r} {self.nbytes} B>"
@@ -163,6 +164,7 @@ class OnChipAllocator:
 
     def allocate(self, st: Storage, address):
         st.site = _call_site()
+        st.pinned = address is not None
         if self.region is sbuf and address is None:
             st.pending = self          # placed at its first use (place())
         elif self.region is sbuf:
