@@ -211,7 +211,12 @@ def model_trace(trace, target="trn3", lnc=None, launch_ns=None, schedules=None,
         if not part:
             continue
         nprog = max(ins.program for ins in part) + 1
-        sim = _Schedule(part, gen, nprog)
+        times = None
+        if cp.sbuf_bound:   # which dead tiles free first: from the schedule without the bound
+            free = _Schedule(part, gen, nprog)
+            free.run()
+            times = [0.0 if e is None else e for e in free.end]
+        sim = _Schedule(part, gen, nprog, bound_times=times)
         if schedules is not None:
             sim.dmasim.log = []
             schedules.append((a, b, t_launch, sim))
@@ -896,24 +901,25 @@ def _dependencies(items, rename=True):
                     pair[1].append(entry)
 
 
-def _capacity_bound(items, cap, pmax):
+def _capacity_bound(items, cap, pmax, when):
     """SBUF capacity as a bound on prefetch: edges from a tile's first access to the last
     accesses of earlier tiles whose space it takes. Returns the number of tiles that waited.
 
     Without it a tile allocated in a loop body gets fresh storage with no tie to the tile that
     last held its addresses, so loads into such tiles run ahead without limit. Here each
-    program's unpinned SBUF tiles take space from their first access to their last one (program
-    order, as the compiler's liveness-based allocator sees them): rows of the bytes their
-    accesses span, over the partitions they touch. Space of a tile dead in program order is
-    reused only when needed: a tile whose first access does not fit beside the space still held
-    takes the space of dead tiles of its own allocating statement first (the allocator's
-    rotation of a loop's buffers), then of any dead tile, oldest death first (no fragmentation),
-    and waits for each one's last accesses: its last access on each in-order engine queue and
-    every DMA that touched it. When even that does not make room (the kernel's live tiles exceed
-    SBUF: the compiler would spill), the tile is placed anyway; spilling is not modeled. Tiles
-    placed by ``address=`` are the kernel's placement and are not counted.
+    program's SBUF tiles (not those placed by ``address=``) hold space from their first access
+    to their last one in program order, as the compiler's liveness-based allocator sees them:
+    rows of the bytes their accesses span, over the partitions they touch. A tile whose first
+    access does not fit beside the space still held takes the space of tiles dead in program
+    order, and waits for their last accesses (the last on each in-order engine queue and every
+    DMA that touched them). Which dead tiles: those whose last accesses end first in ``when``
+    (each instruction's end in the schedule without the bound), as an allocator that always
+    picks the space freed first would; so the bound is optimistic, never a placement guess (no
+    fragmentation, no address choice). When even all dead tiles do not make room (the kernel's
+    live tiles exceed SBUF: the compiler would spill), the tile is placed anyway; spilling is not
+    modeled.
     """
-    first, last, rows, parts, final, site = {}, {}, {}, {}, {}, {}
+    first, last, rows, parts, final = {}, {}, {}, {}, {}
     for it in items:
         if it.dead:
             continue
@@ -926,7 +932,6 @@ def _capacity_bound(items, cap, pmax):
                 rows[key] = [op.extent[0], op.extent[1]]
                 parts[key] = [op.partitions[0], op.partitions[1]]
                 final[key] = {}
-                site[key] = (it.prog, op.site)
             else:
                 r, p = rows[key], parts[key]
                 r[0], r[1] = min(r[0], op.extent[0]), max(r[1], op.extent[1])
@@ -938,25 +943,23 @@ def _capacity_bound(items, cap, pmax):
         starts.setdefault(i, []).append(key)
     for key, i in last.items():
         ends.setdefault(i, []).append(key)
-    usage, dead, dead_at = {}, {}, {}
+    usage, dead = {}, {}
     waited = 0
     for it in items:
         for key in starts.get(it.i, ()):
             use = usage.get(key[0])
             if use is None:
                 use = usage[key[0]] = np.zeros(pmax, dtype=np.int64)
-                dead[key[0]] = deque()
+                dead[key[0]] = []
             p0, p1 = parts[key]
             size = rows[key][1] - rows[key][0]
+            heap = dead[key[0]]
             new = set()
-            for fifo in (dead_at.get(site[key]), dead[key[0]]):
-                while fifo and int(use[p0:p1].max(initial=0)) + size > cap:
-                    old = fifo.popleft()
-                    if old not in final:             # reclaimed already, from the other list
-                        continue
-                    q0, q1 = parts[old]
-                    use[q0:q1] -= rows[old][1] - rows[old][0]
-                    new.update(final.pop(old).values())
+            while heap and int(use[p0:p1].max(initial=0)) + size > cap:
+                _, _, old = heapq.heappop(heap)
+                q0, q1 = parts[old]
+                use[q0:q1] -= rows[old][1] - rows[old][0]
+                new.update(final.pop(old).values())
             if new:
                 waited += 1
                 new.update(it.deps)
@@ -964,8 +967,8 @@ def _capacity_bound(items, cap, pmax):
                 it.deps = tuple(sorted(new))
             use[p0:p1] += size
         for key in ends.get(it.i, ()):
-            dead[key[0]].append(key)
-            dead_at.setdefault(site[key], deque()).append(key)
+            free_at = max(when[j] for j in final[key].values())
+            heapq.heappush(dead[key[0]], (free_at, last[key], key))
     return waited
 
 
@@ -1175,7 +1178,7 @@ class _PEState:
 class _Schedule:
     """The event-driven schedule of one launch (all LNC programs)."""
 
-    def __init__(self, instrs, gen, nprog):
+    def __init__(self, instrs, gen, nprog, bound_times=None):
         self.gen = gen
         self.cp = cp = gen.cost
         self.nprog = nprog
@@ -1239,8 +1242,10 @@ class _Schedule:
         _dead_psum_memsets(items)
         self.elided = sum(1 for it in items if it.dead)
         _dependencies(items, cp.rename_onchip)
-        self.capacity_waits = _capacity_bound(items, gen.sbuf_usable_bytes, gen.pmax) \
-            if cp.sbuf_bound else 0
+        # bound_times: the instructions' ends in the schedule without the SBUF bound (model_trace
+        # runs that first when cp.sbuf_bound is on); None: no bound
+        self.capacity_waits = _capacity_bound(items, gen.sbuf_usable_bytes, gen.pmax,
+                                              bound_times) if bound_times is not None else 0
         # queues
         self.qlist = {}
         self.floating = []

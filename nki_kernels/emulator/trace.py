@@ -30,7 +30,6 @@ class Operand:
     indirect: bool = False
     pattern: tuple = ()  # ((stride, count), ...) in elements, outermost first
     pinned: bool = False  # on-chip, placed by ``address=``: not counted against SBUF capacity
-    site: int = 0        # on-chip: hash of the allocating statement (kernel call stack)
 
     @property
     def on_chip(self):
@@ -134,8 +133,7 @@ def operand(role, t) -> Operand:
     else:
         parts, extent = _hbm_rect(t, st, off, isz, dims)
     return Operand(role, st.buffer.name, st.id, t.dtype.name, isz, shape, parts, extent,
-                   run * isz, nbytes, indirect, tuple(zip(strides, shape)), st.pinned,
-                   hash(st.site) if st.site else 0)
+                   run * isz, nbytes, indirect, tuple(zip(strides, shape)), st.pinned)
 
 
 def _hbm_rect(t, st, off, isz, dims):

@@ -713,7 +713,7 @@ def test_sbuf_capacity_bounds_prefetch():
     """With ``sbuf_bound`` a load into a fresh tile waits for SBUF room: on Trn2 (224 KiB per
     partition, 16 KiB reserved [hardware.md A.2]) three 64 KiB tiles fit beside nothing else, and
     the 64 KiB accumulator takes one place, so the load of tile k waits for the exp that read tile
-    k - 2 (the oldest dead tile). Without it every load is ready at once."""
+    k - 2 (the dead tile freed first). Without it every load is ready at once."""
     src = np.ones((128, 16384), np.float32)             # 64 KiB per partition
     n = 8
     with trace() as tr:
@@ -750,14 +750,13 @@ def scratch_then_stream(src, n):
         nisa.activation(dst=acc, op=nl.exp, data=t)
 
 
-def test_sbuf_bound_rotates_a_statements_own_tiles_first():
-    """A loop's tile takes the space of the same statement's dead tiles first (the allocator's
-    rotation of a loop's buffers), then of other dead tiles. Trn2 (208 KiB usable): accumulator +
-    scratch + stream tile 0 = 192 KiB, so tile 1 needs room, and takes dead tile 0's although the
-    scratch tile died earlier: each load waits for the exp of the tile before it, and the dead
-    scratch space stays unused (the policy's known cost, docs/cost-model.md)."""
+def test_sbuf_bound_takes_the_space_freed_first():
+    """A tile that needs room takes the dead tiles' space that frees first, whoever allocated it.
+    Trn2 (208 KiB usable): accumulator + scratch + stream tile 0 = 192 KiB, so tile 1 needs room
+    and takes the scratch tile's (dead since the first exp), tile k >= 2 takes tile k - 2's: two
+    stream buffers rotate, as they would with the scratch space free from the start."""
     src = np.ones((128, 16384), np.float32)
-    n = 5
+    n = 6
     with trace() as tr:
         with target("trn2"):
             scratch_then_stream(src, n)
@@ -768,6 +767,7 @@ def test_sbuf_bound_rotates_a_statements_own_tiles_first():
     exps = [k for k, it in enumerate(sim.items) if it.ins.opcode == "activation"]
     # exps[0] reads the scratch tile, exps[1 + k] stream tile k
     assert rep.sbuf_waits == n - 1
-    for k in range(1, n):
-        assert exps[k] in sim.items[loads[k]].deps          # tile k waits for tile k - 1's exp
-        assert exps[0] not in sim.items[loads[k]].deps      # never for the scratch tile's
+    assert exps[0] in sim.items[loads[1]].deps              # tile 1: the scratch tile's space
+    for k in range(2, n):
+        assert exps[k - 1] in sim.items[loads[k]].deps      # tile k: tile k - 2's space
+        assert exps[k] not in sim.items[loads[k]].deps      # not tile k - 1's
