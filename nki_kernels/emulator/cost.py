@@ -911,15 +911,16 @@ def _capacity_bound(items, cap, pmax, when):
     to their last one in program order, as the compiler's liveness-based allocator sees them:
     rows of the bytes their accesses span, over the partitions they touch. A tile whose first
     access does not fit beside the space still held takes the space of tiles dead in program
-    order, and waits for their last accesses (the last on each in-order engine queue and every
-    DMA that touched them). Which dead tiles: those whose last accesses end first in ``when``
+    order; every access of it that could run first (each DMA, and the first access on each
+    in-order engine queue) waits for their last accesses (the last on each in-order engine queue
+    and every DMA that touched them). Which dead tiles: those whose last accesses end first in ``when``
     (each instruction's end in the schedule without the bound), as an allocator that always
     picks the space freed first would; so the bound is optimistic, never a placement guess (no
     fragmentation, no address choice). When even all dead tiles do not make room (the kernel's
     live tiles exceed SBUF: the compiler would spill), the tile is placed anyway; spilling is not
     modeled.
     """
-    first, last, rows, parts, final = {}, {}, {}, {}, {}
+    first, last, rows, parts, final, gate = {}, {}, {}, {}, {}, {}
     for it in items:
         if it.dead:
             continue
@@ -932,12 +933,15 @@ def _capacity_bound(items, cap, pmax, when):
                 rows[key] = [op.extent[0], op.extent[1]]
                 parts[key] = [op.partitions[0], op.partitions[1]]
                 final[key] = {}
+                gate[key] = {}
             else:
                 r, p = rows[key], parts[key]
                 r[0], r[1] = min(r[0], op.extent[0]), max(r[1], op.extent[1])
                 p[0], p[1] = min(p[0], op.partitions[0]), max(p[1], op.partitions[1])
             last[key] = it.i
-            final[key][it.i if it.kind == "dma" else it.q] = it.i
+            q = it.i if it.kind == "dma" else it.q
+            final[key][q] = it.i
+            gate[key].setdefault(q, it.i)
     starts, ends = {}, {}
     for key, i in first.items():
         starts.setdefault(i, []).append(key)
@@ -962,9 +966,8 @@ def _capacity_bound(items, cap, pmax, when):
                 new.update(final.pop(old).values())
             if new:
                 waited += 1
-                new.update(it.deps)
-                new.discard(it.i)
-                it.deps = tuple(sorted(new))
+                for i in gate[key].values():   # every DMA, and the first access on each queue
+                    items[i].deps = tuple(sorted(new.union(items[i].deps)))
             use[p0:p1] += size
         for key in ends.get(it.i, ()):
             free_at = max(when[j] for j in final[key].values())
