@@ -212,10 +212,14 @@ def model_trace(trace, target="trn3", lnc=None, launch_ns=None, schedules=None,
             continue
         nprog = max(ins.program for ins in part) + 1
         times = None
-        if cp.sbuf_bound:   # which dead tiles free first: from the schedule without the bound
-            free = _Schedule(part, gen, nprog)
-            free.run()
-            times = [0.0 if e is None else e for e in free.end]
+        if cp.sbuf_bound:
+            # which dead tiles free first: from the schedule without the bound, then again from
+            # the bounded schedule that gives (the first guess misleads where the bound reshapes
+            # the schedule: a kernel whose tiles fit modeled 3x slower, docs/cost-model.md)
+            for _ in range(2):
+                pre = _Schedule(part, gen, nprog, bound_times=times)
+                pre.run()
+                times = [0.0 if e is None else e for e in pre.end]
         sim = _Schedule(part, gen, nprog, bound_times=times)
         if schedules is not None:
             sim.dmasim.log = []
@@ -914,7 +918,7 @@ def _capacity_bound(items, cap, pmax, when):
     order; every access of it that could run first (each DMA, and the first access on each
     in-order engine queue) waits for their last accesses (the last on each in-order engine queue
     and every DMA that touched them). Which dead tiles: those whose last accesses end first in ``when``
-    (each instruction's end in the schedule without the bound), as an allocator that always
+    (each instruction's end in an earlier schedule of the trace), as an allocator that always
     picks the space freed first would; so the bound is optimistic, never a placement guess (no
     fragmentation, no address choice). When even all dead tiles do not make room (the kernel's
     live tiles exceed SBUF: the compiler would spill), the tile is placed anyway; spilling is not
