@@ -84,8 +84,8 @@ class CostParams:
     # live-range renaming: a write that starts a new value of an on-chip region does not wait for
     # the accesses of the value before it (the compiler's address rotation over 2 buffers) [C]
     rename_onchip: bool = True
-    # SBUF capacity bounds prefetch: a tile's first access waits for the last accesses of the
-    # tiles, dead in program order, whose space it needs (oldest dead first) [M bound]
+    # SBUF capacity bounds prefetch: a tile that does not fit waits for the last accesses of the
+    # tiles, dead in program order, whose space it takes (the space freed first) [D capacity]
     sbuf_bound: bool = False
 
     # ---- semaphores

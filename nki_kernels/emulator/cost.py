@@ -917,12 +917,12 @@ def _capacity_bound(items, cap, pmax, when):
     access does not fit beside the space still held takes the space of tiles dead in program
     order; every access of it that could run first (each DMA, and the first access on each
     in-order engine queue) waits for their last accesses (the last on each in-order engine queue
-    and every DMA that touched them). Which dead tiles: those whose last accesses end first in ``when``
-    (each instruction's end in an earlier schedule of the trace), as an allocator that always
-    picks the space freed first would; so the bound is optimistic, never a placement guess (no
-    fragmentation, no address choice). When even all dead tiles do not make room (the kernel's
-    live tiles exceed SBUF: the compiler would spill), the tile is placed anyway; spilling is not
-    modeled.
+    and every DMA that touched them). Which dead tiles: those whose last accesses end first in
+    ``when`` (each instruction's end in an earlier schedule of the trace), as an allocator that
+    always picks the space freed first would; so the bound is optimistic, never a placement guess
+    (no fragmentation, no address choice). When even all dead tiles do not make room (the
+    kernel's live tiles exceed SBUF: the compiler would spill), the tile is placed anyway;
+    spilling is not modeled.
     """
     first, last, rows, parts, final, gate = {}, {}, {}, {}, {}, {}
     for it in items:
@@ -1249,8 +1249,8 @@ class _Schedule:
         _dead_psum_memsets(items)
         self.elided = sum(1 for it in items if it.dead)
         _dependencies(items, cp.rename_onchip)
-        # bound_times: the instructions' ends in the schedule without the SBUF bound (model_trace
-        # runs that first when cp.sbuf_bound is on); None: no bound
+        # bound_times: the instructions' ends in an earlier schedule of the same launch, which
+        # picks the dead tiles a tile that needs SBUF room takes (model_trace); None: no bound
         self.capacity_waits = _capacity_bound(items, gen.sbuf_usable_bytes, gen.pmax,
                                               bound_times) if bound_times is not None else 0
         # queues

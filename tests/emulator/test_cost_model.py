@@ -697,9 +697,14 @@ def test_dma_rings_of_different_triggers_share_an_engine_round_robin():
 
 
 @jit
-def stream_through(src, n):
-    """``n`` loads of ``src`` into fresh SBUF tiles, each read by a ScalarE exp, then one store."""
+def stream_through(src, n, scratch=False):
+    """``n`` loads of ``src`` into fresh SBUF tiles, each read by a ScalarE exp, then one store;
+    with ``scratch``, first one more tile of the same size loaded and read once."""
     acc = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+    if scratch:
+        s = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=s, src=src)
+        nisa.activation(dst=acc, op=nl.exp, data=s)
     for _ in range(n):
         t = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=src)
@@ -737,19 +742,6 @@ def test_sbuf_capacity_bounds_prefetch():
     assert t1 >= t0
 
 
-@jit
-def scratch_then_stream(src, n):
-    """One 64 KiB scratch tile used once, then ``stream_through``'s loop."""
-    acc = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
-    s = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=s, src=src)
-    nisa.activation(dst=acc, op=nl.exp, data=s)
-    for _ in range(n):
-        t = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=src)
-        nisa.activation(dst=acc, op=nl.exp, data=t)
-
-
 def test_sbuf_bound_takes_the_space_freed_first():
     """A tile that needs room takes the dead tiles' space that frees first, whoever allocated it.
     Trn2 (208 KiB usable): accumulator + scratch + stream tile 0 = 192 KiB, so tile 1 needs room
@@ -759,7 +751,7 @@ def test_sbuf_bound_takes_the_space_freed_first():
     n = 6
     with trace() as tr:
         with target("trn2"):
-            scratch_then_stream(src, n)
+            stream_through(src, n, scratch=True)
     sched = []
     rep = model_trace(tr, "trn2", schedules=sched, params={"sbuf_bound": True})
     sim = sched[0][3]
