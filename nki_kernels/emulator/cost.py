@@ -1186,9 +1186,6 @@ class _PEState:
 class _Schedule:
     """The event-driven schedule of one launch (all LNC programs)."""
 
-    _STATIC = ("costs", "items", "n", "flops", "tflops_t", "by_kind", "ideal", "hbm_r", "hbm_w",
-               "n_dma", "dma_bytes", "n_desc", "v3", "elided", "_base")
-
     def __init__(self, instrs, gen, nprog, bound_times=None, like=None):
         """``like``: a schedule of the same ``instrs`` that has run; its per-instruction costs and
         dependencies are reused (the bound's edges are added afresh) instead of recomputed."""
@@ -1196,10 +1193,13 @@ class _Schedule:
         self.cp = gen.cost
         self.nprog = nprog
         if like is None:
+            before = set(vars(self))
             self._prepare(instrs)
+            self._static = tuple(set(vars(self)) - before)   # what _prepare set, shared by `like`
         else:
-            for a in self._STATIC:
+            for a in like._static:
                 setattr(self, a, getattr(like, a))
+            self._static = like._static
             for it, (deps, partner) in zip(self.items, self._base):
                 it.deps, it.partner = deps, partner
         items = self.items
