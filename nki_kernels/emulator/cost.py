@@ -212,15 +212,16 @@ def model_trace(trace, target="trn3", lnc=None, launch_ns=None, schedules=None,
             continue
         nprog = max(ins.program for ins in part) + 1
         times = None
+        pre = None
         if cp.sbuf_bound:
             # which dead tiles free first: from the schedule without the bound, then again from
             # the bounded schedule that gives (the first guess misleads where the bound reshapes
             # the schedule: a kernel whose tiles fit modeled 3x slower, docs/cost-model.md)
             for _ in range(2):
-                pre = _Schedule(part, gen, nprog, bound_times=times)
+                pre = _Schedule(part, gen, nprog, bound_times=times, like=pre)
                 pre.run()
                 times = [0.0 if e is None else e for e in pre.end]
-        sim = _Schedule(part, gen, nprog, bound_times=times)
+        sim = _Schedule(part, gen, nprog, bound_times=times, like=pre)
         if schedules is not None:
             sim.dmasim.log = []
             schedules.append((a, b, t_launch, sim))
@@ -1185,13 +1186,35 @@ class _PEState:
 class _Schedule:
     """The event-driven schedule of one launch (all LNC programs)."""
 
-    def __init__(self, instrs, gen, nprog, bound_times=None):
+    _STATIC = ("costs", "items", "n", "flops", "tflops_t", "by_kind", "ideal", "hbm_r", "hbm_w",
+               "n_dma", "dma_bytes", "n_desc", "v3", "elided", "_base")
+
+    def __init__(self, instrs, gen, nprog, bound_times=None, like=None):
+        """``like``: a schedule of the same ``instrs`` that has run; its per-instruction costs and
+        dependencies are reused (the bound's edges are added afresh) instead of recomputed."""
         self.gen = gen
-        self.cp = cp = gen.cost
+        self.cp = gen.cost
         self.nprog = nprog
+        if like is None:
+            self._prepare(instrs)
+        else:
+            for a in self._STATIC:
+                setattr(self, a, getattr(like, a))
+            for it, (deps, partner) in zip(self.items, self._base):
+                it.deps, it.partner = deps, partner
+        items = self.items
+        # bound_times: the instructions' ends in an earlier schedule of the same launch, which
+        # picks the dead tiles a tile that needs SBUF room takes (model_trace); None: no bound
+        self.capacity_waits = _capacity_bound(items, gen.sbuf_usable_bytes, gen.pmax,
+                                              bound_times) if bound_times is not None else 0
+        self._init_run()
+
+    def _prepare(self, instrs):
+        """Per-instruction costs, queues and dependencies (everything but the SBUF bound)."""
+        gen, cp = self.gen, self.cp
         self.costs = _Costs(gen)
         self.items = items = [_Item(i, ins) for i, ins in enumerate(instrs)]
-        self.n = n = len(items)
+        self.n = len(items)
         self.flops = 0.0
         self.tflops_t = 0.0
         self.by_kind = {"bf16": 0.0, "fp8": 0.0, "mx": 0.0, "fp32": 0.0}
@@ -1249,10 +1272,10 @@ class _Schedule:
         _dead_psum_memsets(items)
         self.elided = sum(1 for it in items if it.dead)
         _dependencies(items, cp.rename_onchip)
-        # bound_times: the instructions' ends in an earlier schedule of the same launch, which
-        # picks the dead tiles a tile that needs SBUF room takes (model_trace); None: no bound
-        self.capacity_waits = _capacity_bound(items, gen.sbuf_usable_bytes, gen.pmax,
-                                              bound_times) if bound_times is not None else 0
+        self._base = [(it.deps, it.partner) for it in items]
+
+    def _init_run(self):
+        items, n, cp, nprog = self.items, self.n, self.cp, self.nprog
         # queues
         self.qlist = {}
         self.floating = []
