@@ -86,7 +86,7 @@ class CostParams:
     rename_onchip: bool = True
     # SBUF capacity bounds prefetch: a tile that does not fit waits for the last accesses of the
     # tiles, dead in program order, whose space it takes (the space freed first) [D capacity]
-    sbuf_bound: bool = False
+    sbuf_bound: bool = True
 
     # ---- semaphores
     # cross-engine semaphore wake-up, L_sem: 50-100 ns (midpoint) [Est]

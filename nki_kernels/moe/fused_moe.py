@@ -413,15 +413,13 @@ def _sbuf_need_mx(tb, H, I, plan):
     return (rows + xq + h + ring + plan.nf_gu * tb * 4 + 2 * plan.nf_d * tb * 4 + 8 * 1024)
 
 
-def shared_block(need, H, lnc, budget):
+def shared_block(need, budget):
     """Token block of the shared expert in prefill: the largest of ``TB_CHOICES`` whose step
-    (``need(tb)`` SBUF bytes per partition) fits ``budget``; at LNC 2 a core also holds the
-    zero tile [128, H] fp32 of the other core's blocks. The shared expert is a dense MLP over
-    all T tokens, run block by block before the routed loop (not pipelined with it), and every
-    block streams all of its weights: at the routed block size (DeepSeek-V3 EP8, T = 4096: 256
-    tokens) its weight stream is as large as the 32 routed experts'."""
-    zero = 4 * H if lnc > 1 else 0
-    return max((c for c in TB_CHOICES if zero + need(c) <= budget), default=TB_CHOICES[0])
+    (``need(tb)`` SBUF bytes per partition) fits ``budget``. The shared expert is a dense MLP
+    over all T tokens, run block by block after the routed loop (not pipelined with it), and
+    every block streams all of its weights: at the routed block size (DeepSeek-V3 EP8,
+    T = 4096: 256 tokens) its weight stream is as large as the 32 routed experts'."""
+    return max((c for c in TB_CHOICES if need(c) <= budget), default=TB_CHOICES[0])
 
 
 # ---------------------------------------------------------------------------- kernel side
@@ -1057,10 +1055,13 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
       The weighted rows are added into an fp32 HBM accumulator by DMA read-modify-write
       (``dma_compute``, fp32 in the DMA engines): the weighted sum is accumulated in fp32.
       LNC 2: each core runs its own experts' blocks (plan_prefill_routing) into its own fp32
-      accumulator and the shared expert for every other token block; after a core barrier each
-      core writes every other 128-row tile of y as the sum of the two accumulators.
+      accumulator; after a core barrier, the shared expert for every other token block, or
+      (without one) every other 128-row tile of y as the sum of the two accumulators.
+      The shared expert runs last, so that its output rows finish y (its fp32 rows plus the
+      accumulators' rows, cast to bf16 by the DMA engines) while TensorE computes its next
+      block: no pass over the fp32 accumulator trails the kernel.
     Pseudocode:
-      y32 = shared(x) or 0                                    # fp32 HBM
+      y32 = 0                                                 # fp32 HBM
       for (blocks, tb) in (full blocks, tb), (tail blocks, tt):   # _PrefillPipe's stages:
         front(b):   rows = x[gidx[b]]; xT = transpose(rows)   # indirect DMA gather
         gate_up(b): G, U = Wg[e_b].T @ xT, Wu[e_b].T @ xT     # e_b = register(blk_expert[b])
@@ -1070,7 +1071,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         fori j in [0, n_blocks - 1):                          # hardware loop, runtime count
           gate_up(j+1); front(j+2); down(j); rest(j+1)
         down(n_blocks - 1)
-      y = bf16(y32)
+      y = bf16(y32 + shared(x)) (without a shared expert: bf16(y32))   # by token block
     """
     T, H = x.shape
     I = _kernel_width(w_gu, H, tiled, mx)
@@ -1108,49 +1109,17 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         loops.append((be_sb, n_sb, gidx[rows, :], sidx[rows, :], bw[rows, :],
                       MoEPlan("prefill", gidx.shape[1], *pl)))
 
-    zero = []
-
-    def zero_rows(r0, r1):
-        """y32[r0:r1] = 0 from a [128, H] zero tile (made at the first call)."""
-        if not zero:
-            zero.append(nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf))   # [128, H]
-            nisa.memset(dst=zero[0], value=0.0)
-        for a in range(r0, r1, P):
-            n = min(P, r1 - a)
-            nisa.dma_copy(dst=y32[a:a + n, :], src=zero[0][0:n, :])
-
-    if sh_gu is not None:      # y32 = shared(x), token block by token block
-        if mx is not None:
-            Is = sh_gu.shape[1] // (2 * cdiv(H, CHUNK))
-        else:
-            Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
-        if fp8:
-            _load_scales(q, ss_gu, ss_d, None, Is, H, ident_f)
-        for i, (t0, tbs) in enumerate(D.token_blocks(T, sh_tb or loops[0][5].tb)):
-            if i % programs != pid:      # LNC 2: the other core's token block; zeros here
-                zero_rows(t0, t0 + tbs)
-                continue
-            rows = D.x_rows_normalised(x, t0, tbs)
-
-            cols = []
-
-            def put(acc, j0, widths, B, t0=t0, tbs=tbs, cols=cols):
-                yT, tc = _evicted_rows(acc, j0, widths, tbs, q, B, ident_f, cols)
-                _store_rows(y32, ident_f, yT, t0, tbs, d_widths[:j0], widths, None, tc)
-
-            if mx is not None:
-                xq, xs = _x_mx(rows, tbs, H, ident, mx)
-                _expert_step_mx(xq, xs, tbs, H, Is, sh_gu, ss_gu, sh_d, ss_d, None,
-                                plan_tiles_mx("prefill", tbs, H, Is), mx, put)
-                continue
-            sp = plan_tiles("prefill", tbs, H, Is, 1 if fp8 else 2, tiled)
-            _x_quantize(rows, q, all_steps=True)
-            a_row = nl.ndarray((1, tbs), dtype=nl.float32, buffer=nl.sbuf) if fp8 else None
-            xT, A = _x_block(rows, tbs, H, None, ident, ident_f, q, w_gu.dtype, a_row)
-            A = (A, a_row) if fp8 else None
-            _expert_step(xT, A, tbs, H, Is, sh_gu, sh_d, None, q, sp, tiled, put, fp8)
-    else:
-        zero_rows(0, T)
+    # y32 = 0: the routed experts scatter-add into it (at LNC 2 each core into its own). The
+    # zeros take a DMA ring of their own (hardware DGE from Sync; a ring is tied to the trigger
+    # engine and descriptor method, NKI DMA guide), served round robin beside the first
+    # blocks' weight loads instead of ahead of them
+    zero = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf)                 # [128, H]
+    nisa.memset(dst=zero, value=0.0)
+    for a in range(0, T, P):
+        n = min(P, T - a)
+        nisa.dma_copy(dst=y32[a:a + n, :], src=zero[0:n, :],
+                      dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
+    del zero
 
     for be_sb, n_sb, gidx, sidx, bw, plan in loops:
         # the pipelined loop: prologue, n - 1 iterations, the last block's down stage
@@ -1171,16 +1140,51 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         nisa.register_load(dst=m_reg, src=n_sb[0:1, 1:2])
         nl.fori_loop(0, m_reg, step)
         pipe.down(0, m_reg)
+        del pipe, step, parts          # the loop's tiles are dead: their space is free again
     if y32_all is not None:            # both cores' scatter-adds are done before either reads
         nisa.core_barrier(y32_all, tuple(range(programs)))
-    for i, r0 in enumerate(range(0, T, P)):    # fp32 accumulator -> bf16 output (DMA casts)
-        rn = min(P, T - r0)
-        if y32_all is None:
-            nisa.dma_copy(dst=y[r0:r0 + rn, :], src=y32[r0:r0 + rn, :])
-        elif i % programs == pid:      # LNC 2: the sum of the cores' accumulators (fp32 add)
-            nisa.dma_compute(dst=y[r0:r0 + rn, :],
-                             srcs=[y32_all[c, r0:r0 + rn, :] for c in range(programs)],
-                             reduce_op=nl.add)
+    accs = [y32] if y32_all is None else [y32_all[c] for c in range(programs)]
+
+    if sh_gu is None:                  # y = bf16(sum of the accumulators), 128 rows at a time
+        for i, r0 in enumerate(range(0, T, P)):
+            rn = min(P, T - r0)
+            if y32_all is None:        # the DMA casts
+                nisa.dma_copy(dst=y[r0:r0 + rn, :], src=y32[r0:r0 + rn, :])
+            elif i % programs == pid:  # LNC 2: fp32 add in the DMA engines, then the cast
+                nisa.dma_compute(dst=y[r0:r0 + rn, :], srcs=[a[r0:r0 + rn, :] for a in accs],
+                                 reduce_op=nl.add)
+        return y
+
+    # the shared expert last, token block by token block (at LNC 2 every other block): its
+    # output rows finish y = bf16(shared(x) + the accumulators' rows), so no pass over y32
+    # follows the routed loop
+    if mx is not None:
+        Is = sh_gu.shape[1] // (2 * cdiv(H, CHUNK))
+    else:
+        Is = sh_d.shape[0] if not tiled else sh_gu.shape[0] * P // 2
+    if fp8:
+        _load_scales(q, ss_gu, ss_d, None, Is, H, ident_f)
+    for i, (t0, tbs) in enumerate(D.token_blocks(T, sh_tb or loops[0][5].tb)):
+        if i % programs != pid:
+            continue
+        rows = D.x_rows_normalised(x, t0, tbs)
+        cols = []
+
+        def put(acc, j0, widths, B, t0=t0, tbs=tbs, cols=cols):
+            yT, tc = _evicted_rows(acc, j0, widths, tbs, q, B, ident_f, cols)
+            _store_rows(y, ident_f, yT, t0, tbs, d_widths[:j0], widths, None, tc, accs)
+
+        if mx is not None:
+            xq, xs = _x_mx(rows, tbs, H, ident, mx)
+            _expert_step_mx(xq, xs, tbs, H, Is, sh_gu, ss_gu, sh_d, ss_d, None,
+                            plan_tiles_mx("prefill", tbs, H, Is), mx, put)
+            continue
+        sp = plan_tiles("prefill", tbs, H, Is, 1 if fp8 else 2, tiled)
+        _x_quantize(rows, q, all_steps=True)
+        a_row = nl.ndarray((1, tbs), dtype=nl.float32, buffer=nl.sbuf) if fp8 else None
+        xT, A = _x_block(rows, tbs, H, None, ident, ident_f, q, w_gu.dtype, a_row)
+        A = (A, a_row) if fp8 else None
+        _expert_step(xT, A, tbs, H, Is, sh_gu, sh_d, None, q, sp, tiled, put, fp8)
     return y
 
 
@@ -1483,12 +1487,14 @@ def _evict_scaled(acc, widths, tb, c):
     return yT
 
 
-def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None):
+def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None, accs=None):
     """``yT [features, tokens]`` -> rows of the fp32 accumulator ``y32`` at columns
     ``[sum(before), + sum(widths))``: fp32 PE transposes (4 feature tiles per PSUM bank), then a
-    plain store (``sis`` None: rows t0...) or a scatter-add to the rows ``sis[sub-tile]``
-    (indirect DMA read-modify-write, padding rows out of bounds and skipped). ``tcols``: one
-    per-token scale column ``[ts, 1]`` per sub-tile, applied on the PSUM eviction."""
+    scatter-add to the rows ``sis[sub-tile]`` (indirect DMA read-modify-write, padding rows out
+    of bounds and skipped), or (``sis`` None) the rows t0... of ``y32`` finished as
+    ``bf16(rows + sum(a[rows] for a in accs))`` (``dma_compute``: fp32 in the DMA engines, then
+    the cast). ``tcols``: one per-token scale column ``[ts, 1]`` per sub-tile, applied on the
+    PSUM eviction."""
     H = y32.shape[1]
     c0 = sum(before)
     ncols = sum(widths)
@@ -1510,12 +1516,10 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None):
                 nisa.tensor_scalar(dst=y_sb[:, col:col + gw], data=tp, op0=nl.multiply,
                                    operand0=tcols[n])
             col += gw
-        if sis is None:    # the shared expert's rows: hardware DGE from Sync, a DMA ring of
-            # its own (a ring is tied to the trigger engine and descriptor method, NKI DMA
-            # guide), so they do not queue behind the routed experts' weight loads, and the
-            # first scatter-add (which waits for them) does not either
-            nisa.dma_copy(dst=y32[t0 + s0:t0 + s0 + ts, c0:c0 + ncols], src=y_sb,
-                          dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
+        if sis is None:    # the shared expert's rows finish y: its rows plus the accumulators'
+            r = slice(t0 + s0, t0 + s0 + ts)
+            nisa.dma_compute(dst=y32[r, c0:c0 + ncols],
+                             srcs=[a[r, c0:c0 + ncols] for a in accs] + [y_sb], reduce_op=nl.add)
         else:
             # offset None: the view's own (an .ap offset addresses the allocation, and at LNC 2
             # y32 is this core's slice of the cores' accumulators)
@@ -1617,7 +1621,7 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     pa = plan_tiles("prefill", tb, H, I, wb, tiled)
     pb = plan_tiles("prefill", tt, H, I, wb, tiled) if tt else None
     sh_tb = shared_block(lambda c: _sbuf_need(c, H, Is, wb, fp8, plan_tiles(
-        "prefill", c, H, Is, wb, tiled), False), H, lnc, budget) if Is else None
+        "prefill", c, H, Is, wb, tiled), False), budget) if Is else None
     return launch(fused_moe_prefill_kernel, x, w_gate_up, w_down, *full,
                   *(tail if tail is not None else (None,) * 5), s_gu, s_d, sh_gu, sh_d, ss_gu,
                   ss_d, tiled, pa.args(), pb.args() if pb else None, None, sh_tb, lnc=lnc)
@@ -1685,7 +1689,7 @@ def _fused_moe_mx(x, w_gate_up, w_down, topk_weights, topk_ids, shared, gate_up_
     pa = plan_tiles_mx("prefill", tb, H, I)
     pb = plan_tiles_mx("prefill", tt, H, I) if tt else None
     sh_tb = shared_block(lambda c: _sbuf_need_mx(c, H, Is, plan_tiles_mx("prefill", c, H, Is)),
-                         H, lnc, budget) if Is else None
+                         budget) if Is else None
     return launch(fused_moe_prefill_kernel, x, g_d, d_d, *full,
                   *(tail if tail is not None else (None,) * 5), g_s, d_s, *sh, False,
                   pa.args(), pb.args() if pb else None, x4, sh_tb, lnc=lnc)
