@@ -22,6 +22,7 @@ from ..backend import launch, lnc_programs, nisa, nki, nl
 TN = 512           # moving free size per matmul (one 2 KiB fp32 PSUM bank)
 A_CHUNK = 2048     # A columns loaded per DMA in prefill (4 KiB per partition in bf16)
 DECODE_M_MAX = 64  # M <= 64: weight-stationary orientation (see MatmulPlan.decode)
+A_RING = 3         # prefill: A row staging buffers (rows run two tiles ahead of the transposes)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,20 @@ def matmul_kernel(a, b, out_dtype, nb, decode, double_row):
         return c
 
     m_tiles = [m0 for i, m0 in enumerate(range(0, M, P)) if i % programs == pid]
-    rows_of = lambda i: _load_a_rows(a, m_tiles[i], min(P, M - m_tiles[i]), tdt)  # noqa: E731
+    # A rows stage in a ring of A_RING buffers allocated once, so a tile's row load is ordered
+    # after the transposes that last read its buffer: the kernel states its staging depth
+    # rather than leaving every row load of the kernel free to start at once (tiles allocated
+    # in the loop have no such order, and their loads fill the DMA queues ahead of the next
+    # B block)
+    ring = [[nl.ndarray((P, min(A_CHUNK, K - c0)), dtype=a.dtype, buffer=nl.sbuf)   # [128, cw]
+             for c0 in range(0, K, A_CHUNK)] for _ in range(A_RING)]
+    loads = []
+
+    def rows_of(i):
+        slot = ring[len(loads) % A_RING]
+        loads.append(i)
+        return _load_a_rows(a, m_tiles[i], min(P, M - m_tiles[i]), tdt, into=slot)
+
     tr_of = lambda i, r: _transpose_rows(r, min(P, M - m_tiles[i]), KT, K, a.dtype, tdt,  # noqa
                                          ident, double_row)
     for n0 in range(0, N, nb):
@@ -202,13 +216,17 @@ def _load_b_block(b, n0, nbb, KT, K, double_row):
     return b_sb
 
 
-def _load_a_rows(a, m0, mm, tdt):
-    """DMA rows A[m0:m0+mm, :] into SBUF staging chunks [mm, <=2048] (fp8 converted to bf16)."""
+def _load_a_rows(a, m0, mm, tdt, into=None):
+    """DMA rows A[m0:m0+mm, :] into SBUF staging chunks [mm, <=2048] (fp8 converted to bf16);
+    ``into``: the chunk buffers to load into (a ring slot, [128, cw] each), else fresh tiles."""
     K = a.shape[1]
     chunks = []
-    for c0 in range(0, K, A_CHUNK):
+    for j, c0 in enumerate(range(0, K, A_CHUNK)):
         cw = min(A_CHUNK, K - c0)
-        a_sb = nl.ndarray((mm, cw), dtype=a.dtype, buffer=nl.sbuf)    # [mm, cw]
+        if into is None:
+            a_sb = nl.ndarray((mm, cw), dtype=a.dtype, buffer=nl.sbuf)    # [mm, cw]
+        else:
+            a_sb = into[j][0:mm, :]
         nisa.dma_copy(dst=a_sb, src=a[m0:m0 + mm, c0:c0 + cw])
         if tdt != a.dtype:
             a_t = nl.ndarray((mm, cw), dtype=tdt, buffer=nl.sbuf)     # fp8 -> bf16 (exact)
