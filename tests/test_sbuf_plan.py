@@ -133,6 +133,8 @@ MLP_CASES = {
     "fp8 combined, 2 sub-tiles": ("trn3", 130, 512, 1024, True, False, True),
     "fp8 two blocks": ("trn2", 600, 512, 1024, True, False, True),
     "fp8 tile-major": ("trn3", 300, 512, 1024, True, True, True),
+    "fp8 tile-major, weight ring": ("trn3", 600, 512, 1024, True, True, True),
+    "bf16 tile-major, weight ring": ("trn2", 520, 512, 1024, False, True, True),
 }
 
 

@@ -409,8 +409,29 @@ def prefetch_weights(ws, K, kb, c0, ncols, double_row=False, tiled=False):
     return [_load_weight_rows(w, K, k0, kn, c0, ncols, double_row) for w in ws]
 
 
+class WeightRing:
+    """Tile-major weight transfer buffers that ``gemm_pass(ring=...)`` reuses across passes:
+    ``depth`` slots of ``nweights`` tiles ``[128, kn, 128]`` each, allocated once. A transfer into
+    a slot is then ordered after the matmuls that read the slot ``depth`` transfers back, where a
+    tile allocated per transfer leaves every weight load of the kernel free to start at once,
+    queued ahead of the ones the next matmuls wait for."""
+
+    def __init__(self, nweights, kn, dtype, depth=2):
+        self.kn = kn
+        self.slots = [[nl.ndarray((P, kn, P), dtype=dtype, buffer=nl.sbuf)      # [128, kn, 128]
+                       for _ in range(nweights)] for _ in range(depth)]
+        self.n = 0
+
+    def take(self, nweights, kn):
+        """The next slot's first ``nweights`` buffers, as ``[128, kn, 128]`` views."""
+        assert nweights <= len(self.slots[0]) and kn <= self.kn, (nweights, kn)
+        slot = self.slots[self.n % len(self.slots)]
+        self.n += 1
+        return [b[:, 0:kn, :] for b in slot[:nweights]]
+
+
 def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, tiled=False,
-              mid=None, halfway=None):
+              mid=None, halfway=None, ring=None):
     """Weight-stationary GEMM pass: for each weight ``w [K, N]`` in ``ws``,
     ``acc[f][0:nn_f, 0:T] = w[:, cols_f].T @ x[0:T, :].T`` accumulated over K in PSUM.
 
@@ -450,6 +471,10 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
         if wi == 0 and first is not None:
             w_sbs = list(first)
             first.clear()   # the caller's list too: the chunk dies after its last matmul
+        elif tiled and ring is not None:
+            w_sbs = ring.take(len(ws), kn)
+            for w, w_sb in zip(ws, w_sbs):
+                nisa.dma_copy(dst=w_sb, src=w[c0 // P + fs[0], :, k0:k0 + kn, :])
         elif tiled:
             w_sbs = [_load_weight_tile(w, c0 // P + fs[0], k0, kn) for w in ws]
         else:
@@ -612,24 +637,27 @@ def gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row=False, tiled=F
 
 
 def gemm_pass_sbuf(led, nweights, K, widths, kb, itemsize, double_row=False, tiled=False,
-                   prefetched=False, mid=None, halfway=None):
+                   prefetched=False, mid=None, halfway=None, ring=False):
     """``gemm_pass``: each weight transfer lands while the previous one is still held (double
     buffering); with ``prefetched`` the first one (``prefetch_weights``, name "w") is live;
     ``mid`` runs while the first one is held, ``halfway`` after half of the transfers, as
-    ``gemm_pass(mid=..., halfway=...)`` do."""
+    ``gemm_pass(mid=..., halfway=...)`` do. ``ring``: the transfers land in a ``WeightRing``
+    (the caller's ledger holds it for the whole kernel), so only a prefetched first one is
+    taken here."""
     prev = None
     loads = gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row, tiled)
     for ci, nb in enumerate(loads):
         name = "w" if ci == 0 and prefetched else ("w", ci)
-        if name != "w":
+        if name != "w" and not ring:
             led.take(name, nb)
         if prev is not None:
             led.drop(prev)
-        prev = name
+        prev = name if name == "w" or not ring else None
         if mid is not None:
             mid()
             mid = None
         if halfway is not None and ci + 1 >= len(loads) // 2:
             halfway()
             halfway = None
-    led.drop(prev)
+    if prev is not None:
+        led.drop(prev)

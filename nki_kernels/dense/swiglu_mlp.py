@@ -29,6 +29,10 @@ from . import _tiles as D
 from ._tiles import P, cdiv, tile_weight
 
 NCOLS_MAX = 4096        # weight columns per pass: 8 KiB bf16 rows per k-tile in SBUF
+RING = 2                # tile-major weight transfers: buffers reused across passes (_tiles.WeightRing),
+RING_MIN_T = 512        # from this many tokens (TensorE-bound passes). Modeled with the SBUF bound,
+                        # Llama-3-70B TP8 FP8 T=2048: 3018.6 -> 2739.2 us (Trn2), 2876.4 -> 2653.0
+                        # (Trn3); at T <= 128 (weight-stream-bound) the ring cost 1-12%
 FP8_TB_PREF = 384       # FP8 tile-major prefill of several blocks: tokens per block first
 _FP8 = ("float8_e4m3", "float8_e4m3fn")
 FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0}
@@ -131,6 +135,9 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
     i0, i1 = gu_passes[0]
     led.take("w", D.gemm_pass_loads(nw, H, [t[1] for t in gu_tiles[i0:i1]], kb_gu, wb, fp8,
                                     tiled)[0])
+    ring = tiled and T >= RING_MIN_T
+    if ring:                              # the WeightRing, held to the end
+        led.take("ring", RING * nw * max(kb_gu, kb_d) * P * wb)
     blocks = D.token_blocks(T, tb_max)
     rows = D.rows_sbuf(led, "rows", blocks[0][1], H, False, norm) if fp8 else None
     D.identity_sbuf(led, "ident", 2)
@@ -177,7 +184,7 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
             widths = [gu_tiles[i][1] for i in range(i0, i1)]
             nf = i1 - i0
             D.gemm_pass_sbuf(led, nw, H, widths, kb_gu, wb, fp8, tiled,
-                             prefetched=(bi == 0 and pi == 0))
+                             prefetched=(bi == 0 and pi == 0), ring=ring)
             if fp8:                       # _silu_evict: token scale, then silu
                 led.take("ga", 4 * nf * tb)
                 led.take("sg", 4 * nf * tb)
@@ -185,7 +192,7 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
             else:
                 led.take("sg", 4 * nf * tb)
             if not combined:
-                D.gemm_pass_sbuf(led, 1, H, widths, kb_gu, wb, fp8, tiled)
+                D.gemm_pass_sbuf(led, 1, H, widths, kb_gu, wb, fp8, tiled, ring=ring)
             if fp8:                       # h of the pass in bf16, its running max|h|
                 led.take(("hp", pi), 2 * nf * tb)
                 led.take("ab", 2 * nf * tb)
@@ -209,7 +216,7 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
         for pi, (j0, j1) in enumerate(d_passes):
             widths = [d_tiles[j][1] for j in range(j0, j1)]
             last = pi + 1 == len(d_passes)
-            D.gemm_pass_sbuf(led, 1, I, widths, kb_d, wb, fp8, tiled)
+            D.gemm_pass_sbuf(led, 1, I, widths, kb_d, wb, fp8, tiled, ring=ring)
             yT = ("yT", bi, pi)
             led.take(yT, 4 * (j1 - j0) * tb)
             if not last_block and pi == 0 and fp8:
@@ -283,6 +290,8 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
     i0, i1 = gu_passes[0]
     first = D.prefetch_weights([w_gate, w_up] if combined else [w_gate], H, kb_gu,
                                gu_tiles[i0][0], sum(t[1] for t in gu_tiles[i0:i1]), fp8, tiled)
+    ring = D.WeightRing(2 if combined else 1, max(kb_gu, kb_d), w_gate.dtype, RING) \
+        if tiled and T >= RING_MIN_T else None
     d_tiles = D.feature_tiles([(0, H, 0)])
     norm = norm_w is not None
     blocks = D.token_blocks(T, tb_max)
@@ -321,18 +330,18 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
             c0 = gu_tiles[i0][0]
             if combined:
                 acc_g, acc_u = D.gemm_pass([w_gate, w_up], xT, H, tb, Tp, widths, c0, kb_gu, fp8,
-                                           first, tiled)
+                                           first, tiled, ring=ring)
                 first = None
                 sg = _silu_evict(acc_g, widths, tb, q, A, i0)
                 del acc_g
             else:
                 acc_g = D.gemm_pass([w_gate], xT, H, tb, Tp, widths, c0, kb_gu, fp8, first,
-                                    tiled)[0]
+                                    tiled, ring=ring)[0]
                 first = None
                 sg = _silu_evict(acc_g, widths, tb, q, A, i0)
                 del acc_g
                 acc_u = D.gemm_pass([w_up], xT, H, tb, Tp, widths, c0, kb_gu, fp8,
-                                    tiled=tiled)[0]
+                                    tiled=tiled, ring=ring)[0]
             if fp8:
                 hp = nl.ndarray((P, i1 - i0, tb), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, nf, tb]
                 _gate_evict(hp, sg, acc_u, widths, tb, q, i0, 0)
@@ -354,7 +363,8 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
         for pi, (j0, j1) in enumerate(dpasses):
             widths = [d_tiles[j][1] for j in range(j0, j1)]
             c0 = d_tiles[j0][0]
-            acc = D.gemm_pass([w_down], hT, I, tb, Tp, widths, c0, kb_d, fp8, tiled=tiled)[0]
+            acc = D.gemm_pass([w_down], hT, I, tb, Tp, widths, c0, kb_d, fp8, tiled=tiled,
+                              ring=ring)[0]
             yT = nl.ndarray((P, j1 - j0, tb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nf, tb]
             _evict_y(yT, acc, widths, tb, q, B, j0, ev)
             del acc
