@@ -410,24 +410,25 @@ def prefetch_weights(ws, K, kb, c0, ncols, double_row=False, tiled=False):
 
 
 class WeightRing:
-    """Tile-major weight transfer buffers that ``gemm_pass(ring=...)`` reuses across passes:
-    ``depth`` slots of ``nweights`` tiles ``[128, kn, 128]`` each, allocated once. A transfer into
-    a slot is then ordered after the matmuls that read the slot ``depth`` transfers back, where a
-    tile allocated per transfer leaves every weight load of the kernel free to start at once,
-    queued ahead of the ones the next matmuls wait for."""
+    """Weight transfer buffers that ``gemm_pass(ring=...)`` reuses across passes: ``depth`` slots
+    of ``nweights`` tiles ``[128, kn, ncols]`` each (tile-major: ``ncols`` = 128), allocated once.
+    A transfer into a slot is then ordered after the matmuls that read the slot ``depth``
+    transfers back, where a tile allocated per transfer leaves every weight load of the kernel
+    free to start at once, queued ahead of the ones the next matmuls wait for."""
 
-    def __init__(self, nweights, kn, dtype, depth=2):
-        self.kn = kn
-        self.slots = [[nl.ndarray((P, kn, P), dtype=dtype, buffer=nl.sbuf)      # [128, kn, 128]
+    def __init__(self, nweights, kn, dtype, depth=2, ncols=P):
+        self.kn, self.ncols = kn, ncols
+        self.slots = [[nl.ndarray((P, kn, ncols), dtype=dtype, buffer=nl.sbuf)  # [128, kn, ncols]
                        for _ in range(nweights)] for _ in range(depth)]
         self.n = 0
 
-    def take(self, nweights, kn):
-        """The next slot's first ``nweights`` buffers, as ``[128, kn, 128]`` views."""
-        assert nweights <= len(self.slots[0]) and kn <= self.kn, (nweights, kn)
+    def take(self, nweights, kn, ncols=P):
+        """The next slot's first ``nweights`` buffers, as ``[128, kn, ncols]`` views."""
+        assert nweights <= len(self.slots[0]) and kn <= self.kn and ncols <= self.ncols, \
+            (nweights, kn, ncols)
         slot = self.slots[self.n % len(self.slots)]
         self.n += 1
-        return [b[:, 0:kn, :] for b in slot[:nweights]]
+        return [b[:, 0:kn, 0:ncols] for b in slot[:nweights]]
 
 
 def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, tiled=False,
@@ -477,6 +478,9 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
                 nisa.dma_copy(dst=w_sb, src=w[c0 // P + fs[0], :, k0:k0 + kn, :])
         elif tiled:
             w_sbs = [_load_weight_tile(w, c0 // P + fs[0], k0, kn) for w in ws]
+        elif ring is not None:
+            w_sbs = [_load_weight_rows(w, K, k0, kn, c0, ncols, double_row, into=w_sb)
+                     for w, w_sb in zip(ws, ring.take(len(ws), kn, ncols))]
         else:
             w_sbs = [_load_weight_rows(w, K, k0, kn, c0, ncols, double_row) for w in ws]
         for j in range(0, kn, step):
@@ -558,10 +562,11 @@ def tile_weight(w):
     return out
 
 
-def _load_weight_rows(w, K, k0, kn, c0, ncols, double_row):
+def _load_weight_rows(w, K, k0, kn, c0, ncols, double_row, into=None):
     """``w[(k0+j)*128 + p, c0:c0+ncols]`` -> SBUF ``[128, kn, ncols]`` (zero rows past K when
-    double_row pads the contraction)."""
-    w_sb = nl.ndarray((P, kn, ncols), dtype=w.dtype, buffer=nl.sbuf)       # [128, kn, ncols]
+    double_row pads the contraction); ``into``: the buffer (a ring slot's view), else a new tile."""
+    w_sb = nl.ndarray((P, kn, ncols), dtype=w.dtype, buffer=nl.sbuf) \
+        if into is None else into                                           # [128, kn, ncols]
     full = max(0, min(kn, K // P - k0))                                     # complete k-tiles
     if full:
         src = w[k0 * P:(k0 + full) * P, c0:c0 + ncols].reshape_dim(0, (full, P)).permute((1, 0, 2))

@@ -29,10 +29,12 @@ from . import _tiles as D
 from ._tiles import P, cdiv, tile_weight
 
 NCOLS_MAX = 4096        # weight columns per pass: 8 KiB bf16 rows per k-tile in SBUF
-RING = 2                # tile-major weight transfers: buffers reused across passes (_tiles.WeightRing),
+RING = 2                # weight transfers: buffers reused across passes (_tiles.WeightRing),
 RING_MIN_T = 512        # from this many tokens (TensorE-bound passes). Modeled with the SBUF bound,
-                        # Llama-3-70B TP8 FP8 T=2048: 3018.6 -> 2739.2 us (Trn2), 2876.4 -> 2653.0
-                        # (Trn3); at T <= 128 (weight-stream-bound) the ring cost 1-12%
+                        # Trn2, T=2048: Llama-3-70B TP8 FP8 tile-major 3018.6 -> 2739.2 us,
+                        # row-major 3193.8 -> 2983.0, Llama-3-8B FP8 row-major 5788.6 -> 5042.7,
+                        # bf16 9769.4 -> 9387.5; at T <= 128 (weight-stream-bound) the ring cost
+                        # 1-12% (tile-major FP8)
 FP8_TB_PREF = 384       # FP8 tile-major prefill of several blocks: tokens per block first
 _FP8 = ("float8_e4m3", "float8_e4m3fn")
 FP8_MAX = {"float8_e4m3": 240.0, "float8_e4m3fn": 448.0}
@@ -115,6 +117,28 @@ def plan_mlp(T, H, I, w_bytes, fp8, sbuf_budget, tiled=False, *, norm=True,
 
 
 # ------------------------------------------------------------------------------ SBUF plan
+def _ring_shapes(nw, kb_gu, kb_d, nf_gu, nf_d, fp8, tiled):
+    """(weights, k-tiles, columns) of each weight ring: tile-major, one ring shared by every
+    pass; row-major, one for the gate/up passes and one for the down passes."""
+    step = 2 if fp8 else 1
+    kn_gu, kn_d = max(kb_gu, step), max(kb_d, step)
+    if tiled:
+        return [(nw, max(kn_gu, kn_d), P)]
+    return [(nw, kn_gu, nf_gu * P), (1, kn_d, nf_d * P)]
+
+
+def _ring_bytes(nw, kb_gu, kb_d, nf_gu, nf_d, fp8, tiled, wb):
+    return sum(RING * n * kn * cols * wb
+               for n, kn, cols in _ring_shapes(nw, kb_gu, kb_d, nf_gu, nf_d, fp8, tiled))
+
+
+def _weight_rings(nw, kb_gu, kb_d, nf_gu, nf_d, fp8, tiled, dtype):
+    """The gate/up ring and the down ring (tile-major: the same one)."""
+    rings = [D.WeightRing(n, kn, dtype, RING, ncols=cols)
+             for n, kn, cols in _ring_shapes(nw, kb_gu, kb_d, nf_gu, nf_d, fp8, tiled)]
+    return rings[0], rings[-1]
+
+
 def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=False,
              tiled=False, *, norm=True, residual=True):
     """The kernel's SBUF buffers (bytes per partition) in the order ``swiglu_mlp_kernel``
@@ -135,9 +159,9 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
     i0, i1 = gu_passes[0]
     led.take("w", D.gemm_pass_loads(nw, H, [t[1] for t in gu_tiles[i0:i1]], kb_gu, wb, fp8,
                                     tiled)[0])
-    ring = tiled and T >= RING_MIN_T
-    if ring:                              # the WeightRing, held to the end
-        led.take("ring", RING * nw * max(kb_gu, kb_d) * P * wb)
+    ring = T >= RING_MIN_T
+    if ring:                              # the weight rings (_weight_rings), held to the end
+        led.take("ring", _ring_bytes(nw, kb_gu, kb_d, nf_gu, nf_d, fp8, tiled, wb))
     blocks = D.token_blocks(T, tb_max)
     rows = D.rows_sbuf(led, "rows", blocks[0][1], H, False, norm) if fp8 else None
     D.identity_sbuf(led, "ident", 2)
@@ -290,8 +314,10 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
     i0, i1 = gu_passes[0]
     first = D.prefetch_weights([w_gate, w_up] if combined else [w_gate], H, kb_gu,
                                gu_tiles[i0][0], sum(t[1] for t in gu_tiles[i0:i1]), fp8, tiled)
-    ring = D.WeightRing(2 if combined else 1, max(kb_gu, kb_d), w_gate.dtype, RING) \
-        if tiled and T >= RING_MIN_T else None
+    ring = ring_d = None
+    if T >= RING_MIN_T:
+        ring, ring_d = _weight_rings(2 if combined else 1, kb_gu, kb_d, nf_gu, nf_d, fp8, tiled,
+                                     w_gate.dtype)
     d_tiles = D.feature_tiles([(0, H, 0)])
     norm = norm_w is not None
     blocks = D.token_blocks(T, tb_max)
@@ -364,7 +390,7 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
             widths = [d_tiles[j][1] for j in range(j0, j1)]
             c0 = d_tiles[j0][0]
             acc = D.gemm_pass([w_down], hT, I, tb, Tp, widths, c0, kb_d, fp8, tiled=tiled,
-                              ring=ring)[0]
+                              ring=ring_d)[0]
             yT = nl.ndarray((P, j1 - j0, tb), dtype=nl.float32, buffer=nl.sbuf)  # [128, nf, tb]
             _evict_y(yT, acc, widths, tb, q, B, j0, ev)
             del acc
