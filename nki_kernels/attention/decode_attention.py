@@ -352,12 +352,9 @@ class _Run:
         # loads the next jobs wait for (Llama-3-8B B=1 L=32K FP8, Trn2 modeled: 235.7 -> 205.1 us).
         # Tiles of the other paths stay fresh: a ring there serialises the TensorE K^T path
         # (bf16 rows modeled 2-25% slower)
-        ring = []
-
-        def k_slot(j, make):
-            if j % K_RING == len(ring):
-                ring.append(make())
-            return ring[j % K_RING]
+        ring = [[nl.ndarray((P, lay.tile_keys), dtype=nl.uint16, buffer=nl.sbuf)  # [(h, i), keys]
+                 for _ in range(0, lay.h_kv, self.pairs[1])]
+                for _ in range(K_RING)] if self.pairs else None
 
         def fetch(j, which):
             """Issue the K ("k") or V ("v") loads of tile j; V runs V_BEHIND tiles behind K, so
@@ -376,9 +373,7 @@ class _Run:
             cache = self.kc if which == "k" else self.vc
             if which == "k" and self.pairs:
                 hpt = self.pairs[1]
-                t = k_slot(j, lambda: [nl.ndarray((P, lay.tile_keys), dtype=nl.uint16,
-                                                  buffer=nl.sbuf)      # [(h, i), keys] u16
-                                       for _ in range(0, lay.h_kv, hpt)])
+                t = ring[j % K_RING]
                 for kT, h0 in zip(t, range(0, lay.h_kv, hpt)):
                     load_kT_pairs(kT, cache, lay, it.b, k0, n, h0, min(hpt, lay.h_kv - h0))
                 loaded.setdefault(j, {})[which] = t

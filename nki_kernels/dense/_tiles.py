@@ -472,17 +472,14 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
         if wi == 0 and first is not None:
             w_sbs = list(first)
             first.clear()   # the caller's list too: the chunk dies after its last matmul
-        elif tiled and ring is not None:
-            w_sbs = ring.take(len(ws), kn)
-            for w, w_sb in zip(ws, w_sbs):
-                nisa.dma_copy(dst=w_sb, src=w[c0 // P + fs[0], :, k0:k0 + kn, :])
         elif tiled:
-            w_sbs = [_load_weight_tile(w, c0 // P + fs[0], k0, kn) for w in ws]
-        elif ring is not None:
-            w_sbs = [_load_weight_rows(w, K, k0, kn, c0, ncols, double_row, into=w_sb)
-                     for w, w_sb in zip(ws, ring.take(len(ws), kn, ncols))]
+            bufs = ring.take(len(ws), kn) if ring is not None else [None] * len(ws)
+            w_sbs = [_load_weight_tile(w, c0 // P + fs[0], k0, kn, into=b)
+                     for w, b in zip(ws, bufs)]
         else:
-            w_sbs = [_load_weight_rows(w, K, k0, kn, c0, ncols, double_row) for w in ws]
+            bufs = ring.take(len(ws), kn, ncols) if ring is not None else [None] * len(ws)
+            w_sbs = [_load_weight_rows(w, K, k0, kn, c0, ncols, double_row, into=b)
+                     for w, b in zip(ws, bufs)]
         for j in range(0, kn, step):
             kt = k0 + j
             kk = P if double_row else min(P, K - kt * P)
@@ -529,10 +526,12 @@ def _tile_chunks(KTe, kb, step):
     return [(k0, min(size, KTe - k0)) for k0 in range(0, KTe, size)]
 
 
-def _load_weight_tile(w, ft, k0, kn):
+def _load_weight_tile(w, ft, k0, kn, into=None):
     """Tile-major weight ``w[ft, p, k0:k0+kn, :]`` -> SBUF ``[128, kn, 128]``: one contiguous run
-    of ``kn * 128`` elements per partition (zero rows past K are part of the layout)."""
-    w_sb = nl.ndarray((P, kn, P), dtype=w.dtype, buffer=nl.sbuf)            # [128, kn, 128]
+    of ``kn * 128`` elements per partition (zero rows past K are part of the layout);
+    ``into``: the buffer (a ring slot's view), else a new tile."""
+    w_sb = nl.ndarray((P, kn, P), dtype=w.dtype, buffer=nl.sbuf) \
+        if into is None else into                                           # [128, kn, 128]
     nisa.dma_copy(dst=w_sb, src=w[ft, :, k0:k0 + kn, :])
     return w_sb
 

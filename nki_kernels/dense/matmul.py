@@ -9,6 +9,7 @@ transposed operand ([K, M]).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,14 +142,11 @@ def matmul_kernel(a, b, out_dtype, nb, decode, double_row):
     # rather than leaving every row load of the kernel free to start at once (tiles allocated
     # in the loop have no such order, and their loads fill the DMA queues ahead of the next
     # B block)
-    ring = [[nl.ndarray((P, min(A_CHUNK, K - c0)), dtype=a.dtype, buffer=nl.sbuf)   # [128, cw]
-             for c0 in range(0, K, A_CHUNK)] for _ in range(A_RING)]
-    loads = []
-
-    def rows_of(i):
-        slot = ring[len(loads) % A_RING]
-        loads.append(i)
-        return _load_a_rows(a, m_tiles[i], min(P, M - m_tiles[i]), tdt, into=slot)
+    ring = itertools.cycle([[nl.ndarray((P, min(A_CHUNK, K - c0)), dtype=a.dtype,
+                                        buffer=nl.sbuf)                           # [128, cw]
+                             for c0 in range(0, K, A_CHUNK)] for _ in range(A_RING)])
+    rows_of = lambda i: _load_a_rows(a, m_tiles[i], min(P, M - m_tiles[i]), tdt,  # noqa: E731
+                                     into=next(ring))
 
     tr_of = lambda i, r: _transpose_rows(r, min(P, M - m_tiles[i]), KT, K, a.dtype, tdt,  # noqa
                                          ident, double_row)
