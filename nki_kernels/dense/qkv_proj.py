@@ -15,6 +15,7 @@ Output layouts (what the attention kernels read; ``AttentionShape`` in reference
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -78,6 +79,15 @@ class QKVPlan:
 
 KC_TS = 1024         # tokens per super-block of the k-chunked nest
 KC_GROUP = 256       # tokens per PSUM accumulation group of the k-chunked nest
+KC_RING = 2          # without a residual, the k-chunked nest's per-chunk transfers (weight
+                     # chunk, x^T chunk, sum-of-squares rows) land in rings of this many buffers
+                     # allocated once: each load then waits for the reads of its buffer's last
+                     # contents instead of all of them starting at once and queueing ahead of
+                     # the ones the next matmuls need. Modeled (Llama-3-70B TP8, Trn2): T=512
+                     # 174.4 -> 169.0 us, T=2048 628.1 -> 606.6, T=8192 2543.6 -> 2350.4 (Trn3
+                     # T=8192 2410.9 -> 2321.9, T <= 2048 the same); 3 slots 1-2% slower. With
+                     # a residual (PE transposes) rings were 2-10% slower or faster by shape:
+                     # that path keeps fresh tiles
 
 
 def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options) -> QKVPlan:
@@ -86,10 +96,15 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
 
     The SBUF figure is ``qkv_sbuf`` of the candidate: the kernel's own buffers walked in its
     order, the peak of what it holds at once. ``options``: the keyword flags of ``qkv_sbuf``
-    (norm, bias, residual, rot, qk_norm, k_transposed); by default all on, so the figure
+    (norm, bias, residual, rot, qk_norm, k_transposed); by default all on, and residual both
+    ways (without one the k-chunked nest holds rings, with one it holds more rows), so the figure
     bounds every call of that shape."""
-    opts = dict(norm=True, bias=True, residual=True, rot=None, qk_norm=True, k_transposed=True)
+    opts = dict(norm=True, bias=True, rot=None, qk_norm=True, k_transposed=True)
     opts.update(options)
+    variants = [opts] if "residual" in opts else [dict(opts, residual=r) for r in (True, False)]
+
+    def need(*args):
+        return max(qkv_sbuf(T, H, n_q, n_kv, head_dim, *args, **v).peak for v in variants)
     d = head_dim
     N = (n_q + 2 * n_kv) * d
     KT = cdiv(H, P)
@@ -103,7 +118,7 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
         for kc in ((4, 8, 16, 2, 1) if T <= KC_TS else (8, 16, 4, 2, 1)):
             if KT % kc:
                 continue
-            sb = qkv_sbuf(T, H, n_q, n_kv, d, D.TB_MAX, nt, 1, kc, KC_TS, **opts).peak
+            sb = need(D.TB_MAX, nt, 1, kc, KC_TS)
             if sb <= sbuf_budget:
                 return QKVPlan(T, H, N, D.TB_MAX, nt, 1, False, sb, kc, KC_TS)
     cands = list(range(tb_max, 63, -64))
@@ -121,7 +136,7 @@ def plan_qkv(T, H, n_q, n_kv, head_dim, sbuf_budget, tb_max=D.TB_MAX, **options)
             nf -= nf % 2
         nf = min(nf, NCOLS_MAX // P, cdiv(N, P))
         kb = D.k_tiles_per_dma(nf * P, 2, H)
-        sb = qkv_sbuf(T, H, n_q, n_kv, d, tbm, nf, kb, **opts).peak
+        sb = need(tbm, nf, kb)
         if sb <= sbuf_budget:
             return QKVPlan(T, H, N, tbm, nf, kb, T < DECODE_T_MAX, sb)
         best = sb if best is None else min(best, sb)
@@ -374,36 +389,36 @@ class _EpilogueSbuf:
 
 def _kchunk_sbuf(led, ep, T, H, N, nt, kc, ts_max, norm, residual):
     """``_kchunk_nest``: per super-block the fp32 accumulators, per k-chunk one weight chunk
-    and the transposed activations of this chunk and the next; the epilogue of each group of
-    256 tokens runs behind the next group."""
+    and the transposed activations of this chunk and the next (without a residual: the KC_RING
+    rings of weight chunks, x^T chunks and sum-of-squares rows, held throughout); the epilogue
+    of each group of 256 tokens runs behind the next group."""
     nch = H // P // kc
     dma_t = not residual
     pending = []
     old = []
+    if dma_t:
+        tmax = max(b for _, b in D.token_blocks(T, ts_max))
+        led.take("kc_rings", KC_RING * 2 * kc * (N + tmax + (P if norm else 0)))
     for si, (_, tsb) in enumerate(D.token_blocks(T, ts_max)):
         subs = [min(P, tsb - r0) for r0 in range(0, tsb, P)]
         led.drop(*old)                              # the previous super-block's ssq, acc, scale
         old = ["acc_sb"]
-        if dma_t:
-            led.take("xT_next", 2 * kc * tsb)
-        else:
+        if not dma_t:
             _kc_xT_sbuf(led, "xT_next", len(subs), kc, tsb, nch, norm, residual, 0, old)
         for ci in range(nch):
             last = ci + 1 == nch
-            led.take("w_sb", 2 * kc * N)
+            if not dma_t:
+                led.take("w_sb", 2 * kc * N)
             if dma_t and norm:                          # _kc_chunk_ssq
                 for k in range(len(subs)):
-                    led.take("xc", 2 * kc * P)
                     led.take("sq", 2 * kc * P)
                     if ci == 0:
                         led.take(("ssq", k), 4 * nch)
                         old.append(("ssq", k))
-                    led.drop("sq", "xc")
-            led.live["xT"] = led.live.pop("xT_next")
-            if not last:
-                if dma_t:
-                    led.take("xT_next", 2 * kc * tsb)
-                else:
+                    led.drop("sq")
+            if not dma_t:
+                led.live["xT"] = led.live.pop("xT_next")
+                if not last:
                     _kc_xT_sbuf(led, "xT_next", len(subs), kc, tsb, nch, norm, residual, ci + 1,
                                 old)
             for g0 in range(0, tsb, KC_GROUP):
@@ -432,7 +447,8 @@ def _kchunk_sbuf(led, ep, T, H, N, nt, kc, ts_max, norm, residual):
                     for args in pending:
                         ep.release(args, blk)
                     pending = [(blk, hT, 0, nt)]
-            led.drop("xT", "w_sb")
+            if not dma_t:
+                led.drop("xT", "w_sb")
             if ci == 0 and pending and nch > 1:   # the previous super-block's last group
                 for args in pending:
                     ep.run(*args)
@@ -646,6 +662,12 @@ def _kchunk_nest(x, w, residual, h_out, norm_w, gamma_T, eps, tiles, bias_T, ctx
     pending = []
     ev = 0
     nch = len(chunks)
+    w_ring = xT_ring = xc_ring = None
+    if dma_t:   # KC_RING
+        tmax = max(b for _, b in D.token_blocks(T, ts_max))
+        w_ring = _ring((P, kc, N), w.dtype)                                     # [128, kc, N]
+        xT_ring = _ring((P, kc, tmax), nl.bfloat16)                             # [128, kc, tmax]
+        xc_ring = _ring((P, kc * P), x.dtype) if norm else None                 # [128, kc*128]
     for s0, tsb in D.token_blocks(T, ts_max):
         subs = [(r0, min(P, tsb - r0)) for r0 in range(0, tsb, P)]
         # per sub-tile and chunk: partial sums of squares of h (ScalarE, beside the GEMM)
@@ -656,19 +678,20 @@ def _kchunk_nest(x, w, residual, h_out, norm_w, gamma_T, eps, tiles, bias_T, ctx
 
         def chunk_xT(k0, ci, s0=s0, tsb=tsb, subs=subs, ssq=ssq):
             if dma_t:   # its sums of squares are taken after the chunk's weights are on their way
-                return _kc_chunk_xT_dma(x, gamma_T, s0, tsb, k0, kc)
+                return _kc_chunk_xT_dma(x, gamma_T, s0, tsb, k0, kc, next(xT_ring))
             return _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, k0, kc, ident, ssq, ci)
         xT_next = chunk_xT(0, 0)
         for ci, k0 in enumerate(chunks):
             last = ci + 1 == nch
-            w_sb = nl.ndarray((P, kc, N), dtype=w.dtype, buffer=nl.sbuf)      # [128, kc, N]
+            w_sb = next(w_ring) if dma_t else \
+                nl.ndarray((P, kc, N), dtype=w.dtype, buffer=nl.sbuf)           # [128, kc, N]
             if dma_t:   # k-tile j on partition p: row (k0 + j) * 128 + p, as the DMA transposes
                 src = w[k0 * P:(k0 + kc) * P, :].reshape_dim(0, (kc, P)).permute((1, 0, 2))
             else:       # partition p: rows k0 * 128 + p * kc + j, one run of kc * N elements
                 src = w[k0 * P:(k0 + kc) * P, :].reshape_dim(0, (P, kc))
             nisa.dma_copy(dst=w_sb, src=src)
             if dma_t and norm:
-                _kc_chunk_ssq(x, s0, subs, k0, kc, ssq, ci)
+                _kc_chunk_ssq(x, s0, subs, k0, kc, ssq, ci, xc_ring)
             xT, xT_next = xT_next, None
             if not last:   # the next chunk's transposes go ahead of this GEMM
                 xT_next = chunk_xT(chunks[ci + 1], ci + 1)
@@ -707,6 +730,11 @@ def _kchunk_nest(x, w, residual, h_out, norm_w, gamma_T, eps, tiles, bias_T, ctx
                 _epilogues(ctx, pending)
                 pending = []
     _epilogues(ctx, pending)
+
+
+def _ring(shape, dtype):
+    """KC_RING SBUF buffers of ``shape``, allocated once, handed out in turn."""
+    return itertools.cycle([nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf) for _ in range(KC_RING)])
 
 
 def _epilogues(ctx, pending):
@@ -755,12 +783,12 @@ def _kc_chunk_xT(x, residual, h_out, norm_w, s0, subs, k0, kc, ident, ssq, ci):
     return xT
 
 
-def _kc_chunk_xT_dma(x, gamma_T, s0, tsb, k0, kc):
+def _kc_chunk_xT_dma(x, gamma_T, s0, tsb, k0, kc, buf):
     """Columns [k0*128, (k0+kc)*128) of x for the super-block's tsb tokens -> xT [128, kc, tsb]
-    with xT[p, j, t] = gamma * x[t, (k0 + j)*128 + p]: one DMA transpose (HBM -> SBUF), then
-    gamma per k-tile in SBUF (VectorE and GpSimd in turn)."""
+    (a view of the ring buffer ``buf``) with xT[p, j, t] = gamma * x[t, (k0 + j)*128 + p]: one
+    DMA transpose (HBM -> SBUF), then gamma per k-tile in SBUF (VectorE and GpSimd in turn)."""
     c0, c1 = k0 * P, (k0 + kc) * P
-    xT = nl.ndarray((P, kc, tsb), dtype=nl.bfloat16, buffer=nl.sbuf)          # [128, kc, tsb]
+    xT = buf[:, :, 0:tsb]                                                       # [128, kc, tsb]
     nisa.dma_transpose(dst=xT, src=x[s0:s0 + tsb, c0:c1].reshape_dim(1, (kc, P)))  # [tsb, kc, 128]
     if gamma_T is not None:
         for j in range(kc):
@@ -771,13 +799,14 @@ def _kc_chunk_xT_dma(x, gamma_T, s0, tsb, k0, kc):
     return xT
 
 
-def _kc_chunk_ssq(x, s0, subs, k0, kc, ssq, ci):
+def _kc_chunk_ssq(x, s0, subs, k0, kc, ssq, ci, ring):
     """The partial sums of squares of columns [k0*128, (k0+kc)*128) per sub-tile of tokens into
-    ssq[sub-tile][:, ci] (the rows as they are in HBM; ScalarE square with the accumulator)."""
+    ssq[sub-tile][:, ci] (the rows as they are in HBM, into buffers of ``ring``; ScalarE square
+    with the accumulator)."""
     c0, c1 = k0 * P, (k0 + kc) * P
     for r0, ts in subs:
         t0 = s0 + r0
-        xc = nl.ndarray((ts, kc * P), dtype=x.dtype, buffer=nl.sbuf)          # [ts, kc*128]
+        xc = next(ring)[0:ts]                                                   # [ts, kc*128]
         nisa.dma_copy(dst=xc, src=x[t0:t0 + ts, c0:c1])
         _sum_squares(xc, ssq[r0 // P][:, ci:ci + 1])
         del xc
