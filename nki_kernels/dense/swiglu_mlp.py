@@ -174,6 +174,7 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
         if norm:
             led.take("gamma_row", 4 * H)
         led.take("ones", 4 * P)
+        led.take("sel", 4 * 4 * P)        # the quad layout's selector rows
 
     nc = GAMMA_CHUNKS if norm else 1      # _Fp8's column ranges
 
@@ -217,25 +218,28 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
                 led.take("sg", 4 * nf * tb)
             if not combined:
                 D.gemm_pass_sbuf(led, 1, H, widths, kb_gu, wb, fp8, tiled, ring=ring)
-            if fp8:                       # h of the pass in bf16, its running max|h|
+            if fp8:                       # h of the pass in bf16, its running max and min
                 led.take(("hp", pi), 2 * nf * tb)
-                led.take("ab", 2 * nf * tb)
-                led.take("hmax" if pi == 0 else "pm", 4 * tb)
-                led.drop("ab", *([] if pi == 0 else ["pm"]))
+                if pi == 0:
+                    led.take("hmax", 4 * tb)
+                    led.take("hmin", 4 * tb)
             elif pi == 0:
                 led.take("hT", 2 * KI * tb)
             led.drop("sg")
         led.drop("xT", *(["A"] if fp8 else []))
-        if fp8:                           # quantize_h
-            for n in ("h_amax", "h_sc", "h_inv", "B", "Binv"):
+        if fp8:                           # quantize_h (the scales in the quad layout)
+            for n in ("h_amax", "h_sc", "h_inv"):
+                led.take(n, 4 * min(P, tb))
+            for n in ("B", "Binv"):
                 led.take(n, 4 * tb)
             led.take("hT", (KI + KI % 2) * tb)
             for pi in range(len(gu_passes)):
                 led.drop(("hp", pi))
-            led.drop("h_amax", "h_sc", "h_inv", "Binv", "hmax")
+            led.drop("h_amax", "h_sc", "h_inv", "Binv", "hmax", "hmin")
         if not last_block:
             tnb = blocks[bi + 1][1]
-            rows = D.rows_sbuf(led, "rows", tnb, H, False, norm)
+            if not fp8:
+                rows = D.rows_sbuf(led, "rows", tnb, H, False, norm)
         qsteps = []
         for pi, (j0, j1) in enumerate(d_passes):
             widths = [d_tiles[j][1] for j in range(j0, j1)]
@@ -243,7 +247,8 @@ def mlp_sbuf(T, H, I, tb_max, combined, nf_gu, nf_d, kb_gu, kb_d, y_pipe, fp8=Fa
             D.gemm_pass_sbuf(led, 1, I, widths, kb_d, wb, fp8, tiled, ring=ring)
             yT = ("yT", bi, pi)
             led.take(yT, 4 * (j1 - j0) * tb)
-            if not last_block and pi == 0 and fp8:
+            if not last_block and pi == 0 and fp8:   # the next block's rows, then its steps
+                rows = D.rows_sbuf(led, "rows", tnb, H, False, norm)
                 qsteps = list(range(len(rows)))
             if last and not last_block:
                 while qsteps:
@@ -335,7 +340,7 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
                                 D.load_col_vector(s_up, I, ident=ident_f),
                                 D.load_col_vector(s_down, H, ident=ident_f)),
                  D.load_row_broadcast(norm_w, P, nl.float32, chunks=GAMMA_CHUNKS) if norm
-                 else None, GAMMA_CHUNKS)
+                 else None, GAMMA_CHUNKS, ident_f=ident_f)
     else:
         rows_next = D.x_rows_normalised(x, blocks[0][0], blocks[0][1], None, None, norm, eps)
     _x_quantize(rows_next, q, all_steps=True)
@@ -348,7 +353,8 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
         Tp = D.acc_free(tb)
         if fp8:
             h_parts = []
-            hmax = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)    # [128, tb] max|h|
+            hmax = (nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf),   # [128, tb] max h
+                    nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf))   # [128, tb] min h
         else:
             hT = nl.ndarray((P, KI, tb), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, KI, tb]
         for pi, (i0, i1) in enumerate(gu_passes):
@@ -371,7 +377,7 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
             if fp8:
                 hp = nl.ndarray((P, i1 - i0, tb), dtype=nl.bfloat16, buffer=nl.sbuf)  # [128, nf, tb]
                 _gate_evict(hp, sg, acc_u, widths, tb, q, i0, 0)
-                q.track_max(hmax, hp, tb, pi == 0)
+                q.track_minmax(hmax, hp, tb, pi == 0)
                 h_parts.append((i0, i1, hp))
                 del hp   # h_parts holds it until quantize_h, no longer
             else:
@@ -380,9 +386,9 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
         del xT, A
         B = None
         if fp8:   # per-token scale of h: max over partitions, then quantize every pass tile
-            hT, B = q.quantize_h(h_parts, hmax, KI, tb)
+            hT, B = q.quantize_h(h_parts, hmax, KI, tb, per_tile=True)
             del h_parts, hmax
-        if bi + 1 < len(blocks):   # next block's loads and norm overlap this block's down GEMM
+        if bi + 1 < len(blocks) and not fp8:   # next block's loads and norm overlap its down GEMM
             tn0, tnb = blocks[bi + 1]
             rows_next = D.x_rows_normalised(x, tn0, tnb, None, None, norm, eps)
         dpasses = D.group_passes(d_tiles, nf_d)
@@ -395,6 +401,12 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
             _evict_y(yT, acc, widths, tb, q, B, j0, ev)
             del acc
             last = pi + 1 == len(dpasses)
+            if bi + 1 < len(blocks) and pi == 0 and fp8:
+                # FP8: the next block's rows after the first down pass's evictions: issued
+                # earlier, their norm (VectorE) and its SBUF traffic held up the quantization
+                # of h (GpSimd) that the down GEMM waits for
+                tn0, tnb = blocks[bi + 1]
+                rows_next = D.x_rows_normalised(x, tn0, tnb, None, None, norm, eps)
             if bi + 1 < len(blocks) and pi == 0:
                 # FP8: the next block's per-token quantization, one sub-tile per down pass
                 # (below), so it overlaps this block's down GEMM without holding up the
@@ -459,7 +471,7 @@ class _Fp8:
     are applied as row tiles ``[128, tb]`` broadcast to all partitions by a K=1 matmul.
     """
 
-    def __init__(self, dtype, wscales, gamma_row, gamma_chunks=1):
+    def __init__(self, dtype, wscales, gamma_row, gamma_chunks=1, ident_f=None):
         self.dtype = dtype
         self.fmax = 448.0 if dtype == nl.float8_e4m3fn else 240.0
         self.ws = wscales
@@ -467,6 +479,11 @@ class _Fp8:
         self.gamma_chunks = 1 if gamma_row is None else gamma_chunks
         self.ones = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)     # [1, 128]
         nisa.memset(dst=self.ones, value=1.0)
+        self.sel = None
+        if ident_f is not None:   # sel[k, q, :] = (k == q): a [4, 128] tile's row q to all
+            self.sel = nl.ndarray((4, 4, P), dtype=nl.float32, buffer=nl.sbuf)  # [4, 4, 128]
+            for q in range(4):
+                nisa.tensor_copy(dst=self.sel[:, q, :], src=ident_f[0:4, q:q + 1].broadcast(1, P))
 
     def scale_and_inverse(self, amax, n, factor=None, out=None):
         """amax [p, n] -> (amax / fmax (* factor [p, n]), fmax / max(amax, 1e-30)) fp32, into
@@ -487,9 +504,17 @@ class _Fp8:
 
     def broadcast(self, row, tb, out=None):
         """row [1, tb] fp32 -> [128, tb] fp32 (ones[1, 128].T @ row on TensorE), into ``out``
-        when given."""
+        when given; a quad-layout row ``[nq, 128]`` (:meth:`_quad_scales`) by one K = nq
+        matmul per 128 tokens against the selector rows."""
         ps = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.psum)           # [128, tb]
-        nisa.nc_matmul(dst=ps, stationary=self.ones, moving=row)
+        if row.shape[0] > 1:   # [nq, 128]: token q*128 + c at (q, c)
+            nq = row.shape[0]
+            for q in range(nq):
+                w = min(P, tb - q * P)
+                nisa.nc_matmul(dst=ps[:, q * P:q * P + w], stationary=self.sel[0:nq, q, :],
+                               moving=row[0:nq, 0:w])
+        else:
+            nisa.nc_matmul(dst=ps, stationary=self.ones, moving=row)
         if out is None:
             out = nl.ndarray((P, tb), dtype=nl.float32, buffer=nl.sbuf)      # [128, tb]
         nisa.tensor_copy(dst=out, src=ps)
@@ -549,6 +574,21 @@ class _Fp8:
             nisa.tensor_copy(dst=a_row[:, s0:s0 + ts], src=tp)
         return self.broadcast(a_row, tb, out)
 
+    def track_minmax(self, hmm, hp, tb, first):
+        """hmm = (hmax, hmin) [128, tb] each: the running max and min of h over the pass's tiles
+        (and earlier passes), one GpSimd op per tile: each waits only for its own tile's eviction,
+        so the last pass's tracking trails its last eviction by one op."""
+        hmax, hmin = hmm
+        for f in range(hp.shape[1]):
+            if first and f == 0:
+                nisa.tensor_copy(dst=hmax, src=hp[:, 0, :], engine=nisa.engine.gpsimd)
+                nisa.tensor_copy(dst=hmin, src=hp[:, 0, :], engine=nisa.engine.gpsimd)
+                continue
+            nisa.tensor_tensor(dst=hmax, data1=hmax, data2=hp[:, f, :], op=nl.maximum,
+                               engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=hmin, data1=hmin, data2=hp[:, f, :], op=nl.minimum,
+                               engine=nisa.engine.gpsimd)
+
     def track_max(self, hmax, hp, tb, first):
         """hmax[p, t] = max over the pass's tiles (and earlier passes) of |h|."""
         nf = hp.shape[1]
@@ -561,23 +601,44 @@ class _Fp8:
             nisa.tensor_reduce(dst=pm, op=nl.maximum, data=ab.permute((0, 2, 1)), axis=2)
             nisa.tensor_tensor(dst=hmax, data1=hmax, data2=pm, op=nl.maximum)
 
-    def quantize_h(self, h_parts, hmax, KI, tb, factor=None, row=False):
+    def quantize_h(self, h_parts, hmax, KI, tb, factor=None, row=False, per_tile=False):
         """bf16 pass tiles of h -> hq [128, KIe, tb] FP8 (zero pad tile for double_row) and the
         row-broadcast scales B [128, tb] (``row``: the row [1, tb] itself), times
         ``factor [1, tb]``: per-token factors left out of h, which per-token quantization
         absorbs (:meth:`h_scales`, then :meth:`quantize_parts`)."""
         sc, inv = self.h_scales(hmax, tb, factor)
-        return self.quantize_parts(h_parts, sc, inv, KI, tb, row)
+        return self.quantize_parts(h_parts, sc, inv, KI, tb, row, per_tile=per_tile)
 
     def h_scales(self, hmax, tb, factor=None, out=None):
         """The tokens' |h|max over partitions ``hmax [128, tb]`` -> the rows (scale (times
         ``factor``), inverse) ``[1, tb]`` (GpSimd's partition reduce, then VectorE), into the
         tiles ``out`` when given."""
+        if isinstance(hmax, tuple):
+            return self._quad_scales(hmax, tb, factor, out)
         amax = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)         # [1, tb]
         nisa.tensor_partition_reduce(dst=amax, op=nl.maximum, data=hmax)
         return self.scale_and_inverse(amax, tb, factor, out)
 
-    def quantize_parts(self, h_parts, sc, inv, KI, tb, row=False, out=None):
+    def _quad_scales(self, hmm, tb, factor=None, out=None):
+        """:meth:`h_scales` from :meth:`track_minmax`'s ``(max h, min h)``, in the quad layout
+        ``[nq, 128]`` (token ``q*128 + c`` at ``(q, c)``; :meth:`broadcast` takes it): each
+        VectorE step then runs over 128 elements per partition instead of ``tb`` on one
+        (the reciprocal costs 8 cycles an element: 4.3 us for a 512-token row on Trn2)."""
+        assert self.sel is not None, "_Fp8(ident_f=...) builds the quad layout's selector"
+        mx, mn = hmm
+        nisa.scalar_tensor_tensor(dst=mx, data=mn, op0=nl.multiply, operand0=-1.0,
+                                  op1=nl.maximum, operand1=mx)              # |h|max, in place
+        nq, n = cdiv(tb, P), min(P, tb)     # (up to 128 tokens: the plain row [1, tb])
+        amax = nl.ndarray((nq, n), dtype=nl.float32, buffer=nl.sbuf)           # [nq, n]
+        if nq > 1 and tb % P:   # the last row's tail: the broadcast's K = nq matmuls read it
+            nisa.memset(dst=amax, value=1.0)                                   # (0 x NaN)
+        for q in range(nq):
+            w = min(P, tb - q * P)
+            nisa.tensor_partition_reduce(dst=amax[q:q + 1, 0:w], op=nl.maximum,
+                                         data=mx[:, q * P:q * P + w])
+        return self.scale_and_inverse(amax, n, factor, out)
+
+    def quantize_parts(self, h_parts, sc, inv, KI, tb, row=False, out=None, per_tile=False):
         """h's pass tiles -> (hq, B) with the scale rows of :meth:`h_scales` (broadcast on
         TensorE); ``out``: the tiles (hq, B) to write (not with ``row``)."""
         B = sc if row else self.broadcast(sc, tb, None if out is None else out[1])
@@ -591,12 +652,15 @@ class _Fp8:
         while h_parts:   # each part is released once quantized
             i0, i1, hp = h_parts.pop(0)
             # VectorE and GpSimd (SBUF operands only) alternate: the down GEMM consumes the
-            # parts in order, faster than one engine alone produces them
-            eng = nisa.engine.gpsimd if n % 2 else nisa.engine.vector
-            nisa.tensor_tensor(dst=hq[:, i0:i1, :], data1=hp,
-                               data2=Binv.expand_dim(1).broadcast(1, i1 - i0), op=nl.multiply,
-                               engine=eng)
-            n += 1
+            # parts in order, faster than one engine alone produces them. per_tile: one tile
+            # at a time, all on GpSimd, so the first matmul waits for one tile, and VectorE
+            # keeps to the down passes' evictions
+            for a, b in ([(i, i + 1) for i in range(i0, i1)] if per_tile else [(i0, i1)]):
+                eng = nisa.engine.gpsimd if n % 2 or per_tile else nisa.engine.vector
+                nisa.tensor_tensor(dst=hq[:, a:b, :], data1=hp[:, a - i0:b - i0, :],
+                                   data2=Binv.expand_dim(1).broadcast(1, b - a), op=nl.multiply,
+                                   engine=eng)
+                n += 1
         return hq, B
 
 
