@@ -75,6 +75,8 @@ DMA_BYTES = 4096         # weight bytes per partition per transfer (8192: no gai
 RIDGE_TOKENS_MX = 298    # Trn3 MXFP8: 4x the bf16 TensorE rate on 1-byte weights = 2x the bf16 ridge
 COMB_RESIDENT_BYTES = 32768  # MX decode: routing plan kept on one partition up to this size
 MX_DMA_BYTES = 8192      # MX weight bytes per partition per transfer (whole 128-column tiles)
+DECODE_RING = 4          # decode: weight transfers in flight (slots of a ring allocated once,
+                         # _decode_ring)
 _MX_FMTS = {"e4m3fn": "float8_e4m3fn_x4", "e5m2": "float8_e5m2_x4"}
 
 
@@ -135,6 +137,25 @@ def _sbuf_need(tb, H, I, w_bytes, fp8, plan, pipelined=True):
         return KT * tb * a + max(rows, gemm) + 8 * 1024
     drained = KI * tb * (8 if fp8 else 2) + 4 * tb * 4
     return KT * tb * a + gemm + rows + 8 * 1024 + drained
+
+
+def _decode_ring_shape(H, I, plan, fp8, tiled):
+    """(weights, k-tiles, columns) of each slot of the decode weight ring (``_decode_ring``):
+    large enough for a gate/up transfer and for a down transfer (tile-major: ``[128, kn,
+    128]``), so that both streams take slots in program order."""
+    step = 2 if fp8 else 1
+    kn = max(max(step, kb - kb % step) for kb in (plan.kb_gu, plan.kb_d))   # as gemm_pass
+    n = 2 if plan.combined and not plan.fused else 1
+    if tiled:
+        return n, kn, P
+    gu = 2 * I if plan.fused else min(plan.nf_gu * P, I)
+    return n, kn, max(gu, min(plan.nf_d * P, H))
+
+
+def _decode_ring_bytes(H, I, plan, w_bytes, fp8, tiled):
+    """Per-partition SBUF bytes of the decode weight ring (held for the whole kernel)."""
+    n, kn, c = _decode_ring_shape(H, I, plan, fp8, tiled)
+    return DECODE_RING * n * kn * c * w_bytes
 
 
 def local_ids(topk_ids, n_local, expert_offset=0):
@@ -434,7 +455,7 @@ def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink, row_scale
     _down_stage(h, B, tb, H, I, wd, q, plan, tiled, sink)
 
 
-def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled):
+def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled, ring=None):
     """The gate/up half of an expert step on the token columns of ``xT [128, KT, tb]``: the
     gate/up passes -> the weighted intermediate h. ``A``: FP8, the tokens' x scales as the pair
     (row broadcast ``[128, tb]``, row ``[1, tb]``); bf16, None.
@@ -481,16 +502,16 @@ def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled):
         nf = i1 - i0
         if fused:      # gate tiles then up tiles of one weight, one accumulator tensor
             acc = D.gemm_pass([wgu], xT, H, tb, Tp, widths + widths, 0, plan.kb_gu, fp8,
-                              tiled=tiled)[0]                                    # [128, 2KI, Tp]
+                              tiled=tiled, ring=ring)[0]                         # [128, 2KI, Tp]
             acc_g, acc_u = acc[:, 0:nf, :], acc[:, nf:2 * nf, :]
             del acc    # the views keep it until the evictions below; then the down pass may
             #            take all of PSUM
         elif plan.combined:
             acc_g, acc_u = D.gemm_pass([wg, wu], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
-                                       tiled=tiled)
+                                       tiled=tiled, ring=ring)
         else:
             acc_g = D.gemm_pass([wg], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
-                                tiled=tiled)[0]
+                                tiled=tiled, ring=ring)[0]
         sg = _silu_evict(acc_g, widths, tb, q, A, i0, up_scale=not fp8)          # [128, nf, tb]
         del acc_g
         if wrow is not None and not fp8:   # the routing weight of each token (0: not chosen)
@@ -498,7 +519,7 @@ def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled):
                                op=nl.multiply, engine=nisa.engine.gpsimd)
         if not (fused or plan.combined):
             acc_u = D.gemm_pass([wu], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
-                                tiled=tiled)[0]
+                                tiled=tiled, ring=ring)[0]
         if fp8:
             hp = nl.ndarray((P, nf, tb), dtype=nl.bfloat16, buffer=nl.sbuf)    # [128, nf, tb]
             _gate_evict(hp, sg, acc_u, widths, tb, q, i0, 0)
@@ -510,7 +531,7 @@ def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled):
     return (h_parts, hmax, factor) if fp8 else hT
 
 
-def _down_stage(hT, B, tb, H, I, wd, q, plan, tiled, sink):
+def _down_stage(hT, B, tb, H, I, wd, q, plan, tiled, sink, ring=None):
     """The down half of an expert step: the passes over ``hT [128, KI(e), tb]`` (FP8 codes,
     their token scales ``B``; bf16: B None), each handed to ``sink(acc [128, nf, Tp] PSUM, j0,
     widths, B)``; FP8's down channel scales are read from ``q.ws[2]``."""
@@ -520,7 +541,7 @@ def _down_stage(hT, B, tb, H, I, wd, q, plan, tiled, sink):
     for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
         widths = [d_tiles[j][1] for j in range(j0, j1)]
         acc = D.gemm_pass([wd], hT, I, tb, Tp, widths, d_tiles[j0][0], plan.kb_d, fp8,
-                          tiled=tiled)[0]
+                          tiled=tiled, ring=ring)[0]
         sink(acc, j0, widths, B)
         del acc
 
@@ -543,6 +564,7 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
     T, H = x.shape
     KI, KT = cdiv(I, P), cdiv(H, P)
     fp8 = q is not None
+    ring = _decode_ring(H, I, plan, fp8, tiled, w_gu.dtype)
     hc = nl.ndarray((P, KI + (KI % 2 if fp8 else 0), T), dtype=q.dtype if fp8 else nl.bfloat16,
                     buffer=nl.sbuf)                                              # [128, KIe, T]
     # FP8: quantize_parts zeroes hc's double_row pad tile itself
@@ -560,7 +582,8 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
             wrow = meta[:, 0:T]                                                 # [1, T]
         else:
             wrow = _row_broadcast(meta[:, 0:T], T, ones)                        # [128, T]
-        return _gate_up_stage(xT, A, T, H, I, wgu, wrow, q, plan, tiled), q and q.ws[2]
+        return (_gate_up_stage(xT, A, T, H, I, wgu, wrow, q, plan, tiled, ring),
+                q and q.ws[2])
 
     def scales(h, cd):
         """FP8: the token scale rows of h (into tiles of this iteration)."""
@@ -581,7 +604,7 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
         wd = w_d.select(0, _slot_register(ids_sb, k, j))
         if fp8:
             q.ws = (None, None, cdc)
-        _down_stage(hc, Bc if fp8 else None, T, H, I, wd, q, plan, tiled, sink)
+        _down_stage(hc, Bc if fp8 else None, T, H, I, wd, q, plan, tiled, sink, ring)
 
     regs = []
     for c in range(1, 3):
@@ -598,6 +621,16 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
 
     nl.fori_loop(0, m_reg, step)
     nl.fori_loop(0, one_reg, lambda j: down(0, m_reg))
+
+
+def _decode_ring(H, I, plan, fp8, tiled, dtype):
+    """The weight ring of the decode loop (``_decode_ring_shape``), allocated once and shared
+    by the gate/up and the down transfers: the k-th transfer of the loop then waits for the
+    matmuls that read its slot a ring's depth of transfers back (a window of transfers in
+    program order), where a fresh tile per transfer leaves every weight load free to start at
+    once under the SBUF bound, queued ahead of the ones the next matmuls wait for."""
+    n, kn, c = _decode_ring_shape(H, I, plan, fp8, tiled)
+    return D.WeightRing(n, kn, dtype, DECODE_RING, ncols=c)
 
 
 def _load_scales(q, s_gu, s_d, e, I, H, ident_f):
