@@ -152,10 +152,71 @@ def _decode_ring_shape(H, I, plan, fp8, tiled):
     return n, kn, max(gu, min(plan.nf_d * P, H))
 
 
-def _decode_ring_bytes(H, I, plan, w_bytes, fp8, tiled):
-    """Per-partition SBUF bytes of the decode weight ring (held for the whole kernel)."""
+def _decode_ring_bytes(H, I, plan, w_bytes, fp8, tiled, ring=DECODE_RING):
+    """Per-partition SBUF bytes of a decode weight ring of ``ring`` slots (held from the routed
+    loop's first transfer to the end)."""
     n, kn, c = _decode_ring_shape(H, I, plan, fp8, tiled)
-    return DECODE_RING * n * kn * c * w_bytes
+    return ring * n * kn * c * w_bytes
+
+
+def _sbuf_need_decode(T, H, I, S, w_bytes, fp8, plan, ring, Is=0, tiled=False):
+    """Per-partition SBUF bytes of ``fused_moe_decode_kernel`` with bf16 / FP8 weights (upper
+    bound; tests/test_sbuf_plan.py checks it against the measured peak): the fixed tiles and
+    xT (FP8: and its scales), then the larger of the prologue (the gathered rows and their FP8
+    quantization) and what follows it: the rows the kernel keeps, the accumulator yacc, and
+    the larger of the shared expert's step (``Is`` > 0: its stage tiles, one fresh weight
+    transfer live at a time) and the routed loop: the carried tiles (h, FP8's token and down
+    channel scales), the weight ring of ``ring`` slots (``_decode_ring_bytes``; 0: a fresh
+    tile per transfer instead) and one slot's stage tiles (its plan row, FP8's scale rows and
+    columns, the gate/up evictions and |h|max, the quantization temporaries, the down passes'
+    outputs). ``S``: slots of the routing plan."""
+    KT = cdiv(H, P)
+    a = 1 if fp8 else 2
+    KTe = KT + (KT % 2 if fp8 else 0)
+    fixed = 4 * S + 16 + 3 * 4 * P + 2 * P + 4 * P     # ids, counts, ones, identities, iota
+    xT = KTe * T * a + (8 * T if fp8 else 0)
+    rows = cdiv(T, P) * H * (5 if fp8 else 2)
+
+    def stage(I_, p_, meta):
+        KI_ = cdiv(I_, P)
+        KIe_ = KI_ + (KI_ % 2 if fp8 else 0)
+        nf = p_.nf_gu
+        t = meta + 2 * KI_ * T + 4 * nf * T                 # row, h (FP8: the parts), silu
+        if fp8:
+            t += 4 * (2 * KI_ + KT) + 4 * (2 * KI_ + KT)    # scale rows, their columns
+            t += 4 * nf * T + 2 * nf * T + 6 * 4 * T        # g*a, |h|, hmax/pm/amax/sc/inv/Binv
+        else:
+            t += 4 * T                                      # wrow broadcast
+        t += KIe_ * T * a + 4 * T                           # h quantized (shared: fresh), B
+        return t + 2 * 4 * p_.nf_d * T                      # a down pass's yT (and the next's)
+
+    def transfer(I_, p_):
+        return max(D.gemm_pass_loads(1, H, [P] * (2 * cdiv(I_, P) if p_.fused else p_.nf_gu),
+                                     p_.kb_gu, w_bytes, fp8, tiled)
+                   + D.gemm_pass_loads(1, I_, [P] * p_.nf_d, p_.kb_d, w_bytes, fp8, tiled))
+
+    yacc = 4 * KT * T
+    KI = cdiv(I, P)
+    carried = (KI + (KI % 2 if fp8 else 0)) * T * a + ((4 * T + 4 * KT) if fp8 else 0)
+    weights = _decode_ring_bytes(H, I, plan, w_bytes, fp8, tiled, ring) if ring \
+        else transfer(I, plan)
+    loop = carried + weights + stage(I, plan, 4 * (T + 2 * I + H) if fp8 else 4 * T)
+    shared = 0
+    if Is:
+        sp = plan_tiles("decode", T, H, Is, w_bytes, tiled)
+        shared = stage(Is, sp, 0) + transfer(Is, sp)
+    kept = cdiv(T, P) * H * 2       # the rows the kernel keeps (FP8: as FP8-valued bf16)
+    return fixed + xT + max(rows, kept + yacc + max(shared, loop))
+
+
+def plan_decode_ring(T, H, I, S, w_bytes, fp8, plan, budget, Is=0, tiled=False):
+    """Slots of the decode weight ring: ``DECODE_RING``, fewer if the kernel would not fit
+    ``budget`` with them (``_sbuf_need_decode``), 0 (a fresh tile per transfer) if even 2 do
+    not fit."""
+    for r in range(DECODE_RING, 1, -1):
+        if _sbuf_need_decode(T, H, I, S, w_bytes, fp8, plan, r, Is, tiled) <= budget:
+            return r
+    return 0
 
 
 def local_ids(topk_ids, n_local, expert_offset=0):
@@ -547,7 +608,7 @@ def _down_stage(hT, B, tb, H, I, wd, q, plan, tiled, sink, ring=None):
 
 
 def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled, ones, ident_f,
-                      sink):
+                      sink, ring_depth):
     """The decode loop over the chosen experts (bf16 and FP8 weights), software-pipelined by
     one expert: iteration j issues the gate/up stage of slot j + 1 (its scale columns, the
     gate/up GEMM and evictions, FP8's |h|max), the down stage of slot j (its GEMM and the
@@ -564,7 +625,7 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
     T, H = x.shape
     KI, KT = cdiv(I, P), cdiv(H, P)
     fp8 = q is not None
-    ring = _decode_ring(H, I, plan, fp8, tiled, w_gu.dtype)
+    ring = _decode_ring(H, I, plan, fp8, tiled, w_gu.dtype, ring_depth)
     hc = nl.ndarray((P, KI + (KI % 2 if fp8 else 0), T), dtype=q.dtype if fp8 else nl.bfloat16,
                     buffer=nl.sbuf)                                              # [128, KIe, T]
     # FP8: quantize_parts zeroes hc's double_row pad tile itself
@@ -623,14 +684,17 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
     nl.fori_loop(0, one_reg, lambda j: down(0, m_reg))
 
 
-def _decode_ring(H, I, plan, fp8, tiled, dtype):
+def _decode_ring(H, I, plan, fp8, tiled, dtype, depth):
     """The weight ring of the decode loop (``_decode_ring_shape``), allocated once and shared
     by the gate/up and the down transfers: the k-th transfer of the loop then waits for the
     matmuls that read its slot a ring's depth of transfers back (a window of transfers in
     program order), where a fresh tile per transfer leaves every weight load free to start at
-    once under the SBUF bound, queued ahead of the ones the next matmuls wait for."""
+    once under the SBUF bound, queued ahead of the ones the next matmuls wait for. ``depth``
+    0: None (fresh tiles)."""
+    if not depth:
+        return None
     n, kn, c = _decode_ring_shape(H, I, plan, fp8, tiled)
-    return D.WeightRing(n, kn, dtype, DECODE_RING, ncols=c)
+    return D.WeightRing(n, kn, dtype, depth, ncols=c)
 
 
 def _load_scales(q, s_gu, s_d, e, I, H, ident_f):
@@ -919,7 +983,7 @@ def _mx_down(w_d, ds, I, H, tb, plan, hq, hs, x4, sink):
 @nki.jit
 def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh_gu, sh_d,
                             ss_gu, ss_d, combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused,
-                            mx=None):
+                            mx=None, ring=0):
     """Decode MoE: each distinct chosen expert read once, all tokens through it.
 
     Dimensions:
@@ -934,6 +998,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
       s_gu: [E, 2I], s_d: [E, H] fp32 FP8 per-channel scales, else None.
       sh_gu: [H, 2Is], sh_d: [Is, H] shared expert (ss_gu [2Is], ss_d [H] FP8 scales) or None.
       combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused: from MoEPlan.
+      ring: bf16 / FP8, slots of the weight ring (``plan_decode_ring``; 0: fresh tiles).
       mx: None, or the x4 dtype of MXFP8 weights (Trn3): w_gu uint32 [E, 128, KT(H)*2I] and
         w_d uint32 [E, 128, KC*H] (``quantize_expert_weights_mx``: gate|up in the MX tile
         layout, down chunk-major in the x4 order of ``pack_down_chunks``), s_gu uint8
@@ -1010,7 +1075,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
     widths = [t[1] for t in D.feature_tiles([(0, H, 0)])]
     if mx is None:
         _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled, ones,
-                          ident_f, sink)
+                          ident_f, sink, ring)
         _store_y(y, None, ident_f, yacc, 0, T, 0, widths)
         return y
 
@@ -1639,9 +1704,11 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     if regime == "decode":
         plan = plan_tiles("decode", T, H, I, wb, tiled)
         experts, n, comb = plan_decode_routing(lids, w32, E, (s_gu, s_d) if fp8 else None)
+        ring = plan_decode_ring(T, H, I, experts.shape[1], wb, fp8, plan, sbuf_budget(), Is,
+                                tiled)
         return launch(fused_moe_decode_kernel, x, w_gate_up, w_down, experts, n, comb, s_gu,
                       s_d, sh_gu, sh_d, ss_gu, ss_d, plan.combined, plan.nf_gu, plan.nf_d,
-                      plan.kb_gu, plan.kb_d, tiled, plan.fused)
+                      plan.kb_gu, plan.kb_d, tiled, plan.fused, None, ring)
     counts = np.bincount(lids[lids >= 0].ravel(), minlength=E) if (lids >= 0).any() else []
     budget = sbuf_budget()
     tb_cap = max(c for c in TB_CHOICES
