@@ -228,8 +228,8 @@ def test_plans_count_what_they_run():
 
 
 # fused_moe decode (bf16 / FP8): its plan is an upper bound (``_sbuf_need_decode``), not a walk;
-# it holds the weight ring of the routed loop (``plan_decode_ring``). (target, T, H, I, E, k,
-# fp8, shared expert width)
+# with FP8 weights it holds the weight ring of the routed loop (``plan_decode_ring``; bf16 keeps
+# fresh tiles). (target, T, H, I, E, k, fp8, shared expert width)
 MOE_DECODE_CASES = {
     "fp8, Qwen3-30B-A3B widths": ("trn3", 8, 2048, 768, 4, 2, True, 0),
     "fp8, shared expert": ("trn2", 8, 2048, 768, 4, 2, True, 256),
@@ -264,10 +264,10 @@ def _moe_decode(rng, T, H, I, E, k, fp8, Is, fp8_dtype):
 
 @pytest.mark.parametrize("case", MOE_DECODE_CASES.values(), ids=MOE_DECODE_CASES.keys())
 def test_moe_decode_plan_holds_the_ring(rng, sbuf_peak, case):
-    """The decode bound is at least the measured peak, and it is so only with the weight ring's
-    entry: the bound with a fresh tile per transfer in its place (``ring`` 0, what the kernel
-    held before the ring) is below the measured peak. Dropping the ring from the bound, or the
-    ring from the kernel, fails here."""
+    """The decode bound is at least the measured peak, and (FP8) it is so only with the weight
+    ring's entry: the bound with a fresh tile per transfer in its place (``ring`` 0, what the
+    kernel held before the ring) is below the measured peak. Dropping the ring from the bound,
+    or the ring from the kernel, fails here. bf16 plans no ring."""
     from nki_kernels.moe.fused_moe import (
         DECODE_RING,
         _sbuf_need_decode,
@@ -282,15 +282,17 @@ def test_moe_decode_plan_holds_the_ring(rng, sbuf_peak, case):
         plan = plan_tiles("decode", T, H, I, wb, False)
         budget = sbuf_budget()
         ring = plan_decode_ring(T, H, I, S, wb, fp8, plan, budget, Is)
-        assert ring == DECODE_RING
+        assert ring == (DECODE_RING if fp8 else 0)
         need = _sbuf_need_decode(T, H, I, S, wb, fp8, plan, ring, Is)
         peak = sbuf_peak()
         assert peak <= need <= budget
-        assert _sbuf_need_decode(T, H, I, S, wb, fp8, plan, 0, Is) < peak
+        if fp8:
+            assert _sbuf_need_decode(T, H, I, S, wb, fp8, plan, 0, Is) < peak
 
 
 def test_moe_decode_plan_shrinks_the_ring():
-    """A budget that the ring does not fit takes fewer slots, then fresh tiles."""
+    """A budget that the ring does not fit takes fewer slots, then fresh tiles (FP8; DeepSeek-V3
+    EP8 widths)."""
     from nki_kernels.moe.fused_moe import (
         DECODE_RING,
         _sbuf_need_decode,
@@ -298,8 +300,10 @@ def test_moe_decode_plan_shrinks_the_ring():
         plan_tiles,
     )
     T, H, I, S = 64, 7168, 2048, 32
-    plan = plan_tiles("decode", T, H, I, 2, False)
-    need = [_sbuf_need_decode(T, H, I, S, 2, False, plan, r) for r in range(DECODE_RING + 1)]
-    assert plan_decode_ring(T, H, I, S, 2, False, plan, need[DECODE_RING]) == DECODE_RING
-    assert plan_decode_ring(T, H, I, S, 2, False, plan, need[DECODE_RING] - 1) == DECODE_RING - 1
-    assert plan_decode_ring(T, H, I, S, 2, False, plan, need[2] - 1) == 0
+    plan = plan_tiles("decode", T, H, I, 1, False)
+    need = [_sbuf_need_decode(T, H, I, S, 1, True, plan, r) for r in range(DECODE_RING + 1)]
+    assert plan_decode_ring(T, H, I, S, 1, True, plan, need[DECODE_RING]) == DECODE_RING
+    assert plan_decode_ring(T, H, I, S, 1, True, plan, need[DECODE_RING] - 1) == DECODE_RING - 1
+    assert plan_decode_ring(T, H, I, S, 1, True, plan, need[2] - 1) == 0
+    assert plan_decode_ring(T, H, I, S, 2, False, plan_tiles("decode", T, H, I, 2, False),
+                            1 << 30) == 0       # bf16: fresh tiles
