@@ -8,6 +8,9 @@ to the walk fails here. One case per regime: decode (packed and row-major x), on
 several blocks, token and pair lanes, every head_dim, the k-chunked nest (one and several
 chunks and super-blocks), with and without each option; bf16 and FP8 (row-major and
 tile-major), combined and separate gate/up, one and two yT buffers.
+
+fused_moe's decode plan is an upper bound (``_sbuf_need_decode``) that holds its weight ring:
+checked against the measured peak from above, and from below without the ring's entry.
 """
 import ml_dtypes
 import numpy as np
@@ -222,3 +225,85 @@ def test_plans_count_what_they_run():
     m = plan_mlp(2048, 4096, 14336, 2, False, b)
     assert m.sbuf_bytes == mlp_sbuf(2048, 4096, 14336, m.tb_max, m.combined, m.nf_gu, m.nf_d,
                                     m.kb_gu, m.kb_d, m.y_pipe).peak
+
+
+# fused_moe decode (bf16 / FP8): its plan is an upper bound (``_sbuf_need_decode``), not a walk;
+# with FP8 weights it holds the weight ring of the routed loop (``plan_decode_ring``; bf16 keeps
+# fresh tiles). (target, T, H, I, E, k, fp8, shared expert width)
+MOE_DECODE_CASES = {
+    "fp8, Qwen3-30B-A3B widths": ("trn3", 8, 2048, 768, 4, 2, True, 0),
+    "fp8, shared expert": ("trn2", 8, 2048, 768, 4, 2, True, 256),
+    "bf16": ("trn3", 8, 1024, 512, 4, 2, False, 0),
+    "bf16, shared expert": ("trn2", 20, 1024, 512, 4, 2, False, 256),
+}
+
+
+def _moe_decode(rng, T, H, I, E, k, fp8, Is, fp8_dtype):
+    from nki_kernels.moe.fused_moe import fused_moe
+    from nki_kernels.reference.swiglu_mlp import quantize_fp8_per_channel
+    x = rng.standard_normal((T, H)).astype(BF16)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    w = np.full((T, k), 1.0 / k, np.float32)
+    ws = [rng.standard_normal((n, a, b)).astype(np.float32) * 0.05
+          for n, a, b in ((E, H, 2 * I), (E, I, H), (1, H, 2 * Is), (1, Is, H))[:4 if Is else 2]]
+    kw = {}
+    if fp8:
+        q = [[quantize_fp8_per_channel(m, fp8_dtype) for m in a] for a in ws]
+        ws = [np.stack([m for m, _ in a]) for a in q]
+        sc = [np.stack([s for _, s in a]) for a in q]
+        kw.update(gate_up_scale=sc[0], down_scale=sc[1])
+        if Is:
+            kw["shared_scales"] = (sc[2][0], sc[3][0])
+    else:
+        ws = [a.astype(BF16) for a in ws]
+    if Is:
+        kw["shared"] = (ws[2][0], ws[3][0])
+    fused_moe(x, ws[0], ws[1], w, ids, regime="decode", **kw)
+    return min(E, T * k)
+
+
+@pytest.mark.parametrize("case", MOE_DECODE_CASES.values(), ids=MOE_DECODE_CASES.keys())
+def test_moe_decode_plan_holds_the_ring(rng, sbuf_peak, case):
+    """The decode bound is at least the measured peak, and (FP8) it is so only with the weight
+    ring's entry: the bound with a fresh tile per transfer in its place (``ring`` 0, what the
+    kernel held before the ring) is below the measured peak. Dropping the ring from the bound,
+    or the ring from the kernel, fails here. bf16 plans no ring."""
+    from nki_kernels.moe.fused_moe import (
+        DECODE_RING,
+        _sbuf_need_decode,
+        plan_decode_ring,
+        plan_tiles,
+    )
+    tname, T, H, I, E, k, fp8, Is = case
+    wb = 1 if fp8 else 2
+    with target(tname):
+        S = _moe_decode(rng, T, H, I, E, k, fp8, Is,
+                        ml_dtypes.float8_e4m3fn if tname == "trn3" else E4M3)
+        plan = plan_tiles("decode", T, H, I, wb, False)
+        budget = sbuf_budget()
+        ring = plan_decode_ring(T, H, I, S, wb, fp8, plan, budget, Is)
+        assert ring == (DECODE_RING if fp8 else 0)
+        need = _sbuf_need_decode(T, H, I, S, wb, fp8, plan, ring, Is)
+        peak = sbuf_peak()
+        assert peak <= need <= budget
+        if fp8:
+            assert _sbuf_need_decode(T, H, I, S, wb, fp8, plan, 0, Is) < peak
+
+
+def test_moe_decode_plan_shrinks_the_ring():
+    """A budget that the ring does not fit takes fewer slots, then fresh tiles (FP8; DeepSeek-V3
+    EP8 widths)."""
+    from nki_kernels.moe.fused_moe import (
+        DECODE_RING,
+        _sbuf_need_decode,
+        plan_decode_ring,
+        plan_tiles,
+    )
+    T, H, I, S = 64, 7168, 2048, 32
+    plan = plan_tiles("decode", T, H, I, 1, False)
+    need = [_sbuf_need_decode(T, H, I, S, 1, True, plan, r) for r in range(DECODE_RING + 1)]
+    assert plan_decode_ring(T, H, I, S, 1, True, plan, need[DECODE_RING]) == DECODE_RING
+    assert plan_decode_ring(T, H, I, S, 1, True, plan, need[DECODE_RING] - 1) == DECODE_RING - 1
+    assert plan_decode_ring(T, H, I, S, 1, True, plan, need[2] - 1) == 0
+    assert plan_decode_ring(T, H, I, S, 2, False, plan_tiles("decode", T, H, I, 2, False),
+                            1 << 30) == 0       # bf16: fresh tiles

@@ -75,6 +75,10 @@ DMA_BYTES = 4096         # weight bytes per partition per transfer (8192: no gai
 RIDGE_TOKENS_MX = 298    # Trn3 MXFP8: 4x the bf16 TensorE rate on 1-byte weights = 2x the bf16 ridge
 COMB_RESIDENT_BYTES = 32768  # MX decode: routing plan kept on one partition up to this size
 MX_DMA_BYTES = 8192      # MX weight bytes per partition per transfer (whole 128-column tiles)
+DECODE_RING = 4          # FP8 decode: weight transfers in flight (slots of a ring allocated
+                         # once, _decode_ring; plan_decode_ring). Modeled, Trn3, Qwen3-30B-A3B
+                         # T=64: 1492.8 -> 1265.9 us (75.1 -> 88.6% of the HBM roof), T=1 90.0
+                         # -> 88.3 (79.7 -> 81.2%)
 _MX_FMTS = {"e4m3fn": "float8_e4m3fn_x4", "e5m2": "float8_e5m2_x4"}
 
 
@@ -135,6 +139,90 @@ def _sbuf_need(tb, H, I, w_bytes, fp8, plan, pipelined=True):
         return KT * tb * a + max(rows, gemm) + 8 * 1024
     drained = KI * tb * (8 if fp8 else 2) + 4 * tb * 4
     return KT * tb * a + gemm + rows + 8 * 1024 + drained
+
+
+def _decode_ring_shape(H, I, plan, fp8, tiled):
+    """(weights, k-tiles, columns) of each slot of the decode weight ring (``_decode_ring``):
+    large enough for a gate/up transfer and for a down transfer (tile-major: ``[128, kn,
+    128]``), so that both streams take slots in program order."""
+    step = 2 if fp8 else 1
+    kn = max(max(step, kb - kb % step) for kb in (plan.kb_gu, plan.kb_d))   # as gemm_pass
+    n = 2 if plan.combined and not plan.fused else 1
+    if tiled:
+        return n, kn, P
+    gu = 2 * I if plan.fused else min(plan.nf_gu * P, I)
+    return n, kn, max(gu, min(plan.nf_d * P, H))
+
+
+def _decode_ring_bytes(H, I, plan, w_bytes, fp8, tiled, ring=DECODE_RING):
+    """Per-partition SBUF bytes of a decode weight ring of ``ring`` slots (held from the routed
+    loop's first transfer to the end)."""
+    n, kn, c = _decode_ring_shape(H, I, plan, fp8, tiled)
+    return ring * n * kn * c * w_bytes
+
+
+def _sbuf_need_decode(T, H, I, S, w_bytes, fp8, plan, ring, Is=0, tiled=False):
+    """Per-partition SBUF bytes of ``fused_moe_decode_kernel`` with bf16 / FP8 weights (upper
+    bound; tests/test_sbuf_plan.py checks it against the measured peak): the fixed tiles and
+    xT (FP8: and its scales), then the larger of the prologue (the gathered rows and their FP8
+    quantization) and what follows it: the rows the kernel keeps, the accumulator yacc, and
+    the larger of the shared expert's step (``Is`` > 0: its stage tiles, two fresh weight
+    transfers live at a time) and the routed loop: the carried tiles (h, FP8's token and down
+    channel scales), the weight ring of ``ring`` slots (``_decode_ring_bytes``; 0: a fresh
+    tile per transfer instead, two live) and one slot's stage tiles (its plan row, FP8's scale rows and
+    columns, the gate/up evictions and |h|max, the quantization temporaries, the down passes'
+    outputs). ``S``: slots of the routing plan."""
+    KT = cdiv(H, P)
+    a = 1 if fp8 else 2
+    KTe = KT + (KT % 2 if fp8 else 0)
+    fixed = 4 * S + 16 + 3 * 4 * P + 2 * P + 4 * P     # ids, counts, ones, identities, iota
+    xT = KTe * T * a + (8 * T if fp8 else 0)
+    rows = cdiv(T, P) * H * (5 if fp8 else 2)
+
+    def stage(I_, p_, meta):
+        KI_ = cdiv(I_, P)
+        KIe_ = KI_ + (KI_ % 2 if fp8 else 0)
+        nf = p_.nf_gu
+        t = meta + 2 * KI_ * T + 4 * nf * T                 # row, h (FP8: the parts), silu
+        if fp8:
+            t += 4 * (2 * KI_ + KT) + 4 * (2 * KI_ + KT)    # scale rows, their columns
+            t += 4 * nf * T + 2 * nf * T + 6 * 4 * T        # g*a, |h|, hmax/pm/amax/sc/inv/Binv
+        else:
+            t += 4 * T                                      # wrow broadcast
+        t += KIe_ * T * a + 4 * T                           # h quantized (shared: fresh), B
+        return t + 2 * 4 * p_.nf_d * T                      # a down pass's yT (and the next's)
+
+    def transfer(I_, p_):
+        return max(D.gemm_pass_loads(1, H, [P] * (2 * cdiv(I_, P) if p_.fused else p_.nf_gu),
+                                     p_.kb_gu, w_bytes, fp8, tiled)
+                   + D.gemm_pass_loads(1, I_, [P] * p_.nf_d, p_.kb_d, w_bytes, fp8, tiled))
+
+    yacc = 4 * KT * T
+    KI = cdiv(I, P)
+    carried = (KI + (KI % 2 if fp8 else 0)) * T * a + ((4 * T + 4 * KT) if fp8 else 0)
+    weights = _decode_ring_bytes(H, I, plan, w_bytes, fp8, tiled, ring) if ring \
+        else 2 * transfer(I, plan)      # a fresh tile lands while the previous one is held
+    loop = carried + weights + stage(I, plan, 4 * (T + 2 * I + H) if fp8 else 4 * T)
+    shared = 0
+    if Is:
+        sp = plan_tiles("decode", T, H, Is, w_bytes, tiled)
+        shared = stage(Is, sp, 0) + 2 * transfer(Is, sp)
+    kept = cdiv(T, P) * H * 2       # the rows the kernel keeps (FP8: as FP8-valued bf16)
+    return fixed + xT + max(rows, kept + yacc + max(shared, loop))
+
+
+def plan_decode_ring(T, H, I, S, w_bytes, fp8, plan, budget, Is=0, tiled=False):
+    """Slots of the decode weight ring, FP8 weights only (``DECODE_RING``): ``DECODE_RING``,
+    fewer if the kernel would not fit ``budget`` with them (``_sbuf_need_decode``), 0 (a fresh
+    tile per transfer) if even 2 do not fit. bf16 keeps fresh tiles: modeled with the ring, its
+    decode rows moved by -0.4% to +0.4% on Trn3 and were 0.8-1.0% slower on Trn2 (Qwen3-30B-A3B
+    T = 1, 8, 64), while no bf16 row missed its goal."""
+    if not fp8:
+        return 0
+    for r in range(DECODE_RING, 1, -1):
+        if _sbuf_need_decode(T, H, I, S, w_bytes, fp8, plan, r, Is, tiled) <= budget:
+            return r
+    return 0
 
 
 def local_ids(topk_ids, n_local, expert_offset=0):
@@ -434,7 +522,7 @@ def _expert_step(xT, A, tb, H, I, wgu, wd, wrow, q, plan, tiled, sink, row_scale
     _down_stage(h, B, tb, H, I, wd, q, plan, tiled, sink)
 
 
-def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled):
+def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled, ring=None):
     """The gate/up half of an expert step on the token columns of ``xT [128, KT, tb]``: the
     gate/up passes -> the weighted intermediate h. ``A``: FP8, the tokens' x scales as the pair
     (row broadcast ``[128, tb]``, row ``[1, tb]``); bf16, None.
@@ -481,16 +569,16 @@ def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled):
         nf = i1 - i0
         if fused:      # gate tiles then up tiles of one weight, one accumulator tensor
             acc = D.gemm_pass([wgu], xT, H, tb, Tp, widths + widths, 0, plan.kb_gu, fp8,
-                              tiled=tiled)[0]                                    # [128, 2KI, Tp]
+                              tiled=tiled, ring=ring)[0]                         # [128, 2KI, Tp]
             acc_g, acc_u = acc[:, 0:nf, :], acc[:, nf:2 * nf, :]
             del acc    # the views keep it until the evictions below; then the down pass may
             #            take all of PSUM
         elif plan.combined:
             acc_g, acc_u = D.gemm_pass([wg, wu], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
-                                       tiled=tiled)
+                                       tiled=tiled, ring=ring)
         else:
             acc_g = D.gemm_pass([wg], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
-                                tiled=tiled)[0]
+                                tiled=tiled, ring=ring)[0]
         sg = _silu_evict(acc_g, widths, tb, q, A, i0, up_scale=not fp8)          # [128, nf, tb]
         del acc_g
         if wrow is not None and not fp8:   # the routing weight of each token (0: not chosen)
@@ -498,7 +586,7 @@ def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled):
                                op=nl.multiply, engine=nisa.engine.gpsimd)
         if not (fused or plan.combined):
             acc_u = D.gemm_pass([wu], xT, H, tb, Tp, widths, c0, plan.kb_gu, fp8,
-                                tiled=tiled)[0]
+                                tiled=tiled, ring=ring)[0]
         if fp8:
             hp = nl.ndarray((P, nf, tb), dtype=nl.bfloat16, buffer=nl.sbuf)    # [128, nf, tb]
             _gate_evict(hp, sg, acc_u, widths, tb, q, i0, 0)
@@ -510,7 +598,7 @@ def _gate_up_stage(xT, A, tb, H, I, wgu, wrow, q, plan, tiled):
     return (h_parts, hmax, factor) if fp8 else hT
 
 
-def _down_stage(hT, B, tb, H, I, wd, q, plan, tiled, sink):
+def _down_stage(hT, B, tb, H, I, wd, q, plan, tiled, sink, ring=None):
     """The down half of an expert step: the passes over ``hT [128, KI(e), tb]`` (FP8 codes,
     their token scales ``B``; bf16: B None), each handed to ``sink(acc [128, nf, Tp] PSUM, j0,
     widths, B)``; FP8's down channel scales are read from ``q.ws[2]``."""
@@ -520,13 +608,13 @@ def _down_stage(hT, B, tb, H, I, wd, q, plan, tiled, sink):
     for j0, j1 in D.group_passes(d_tiles, plan.nf_d):
         widths = [d_tiles[j][1] for j in range(j0, j1)]
         acc = D.gemm_pass([wd], hT, I, tb, Tp, widths, d_tiles[j0][0], plan.kb_d, fp8,
-                          tiled=tiled)[0]
+                          tiled=tiled, ring=ring)[0]
         sink(acc, j0, widths, B)
         del acc
 
 
 def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled, ones, ident_f,
-                      sink):
+                      sink, ring_depth):
     """The decode loop over the chosen experts (bf16 and FP8 weights), software-pipelined by
     one expert: iteration j issues the gate/up stage of slot j + 1 (its scale columns, the
     gate/up GEMM and evictions, FP8's |h|max), the down stage of slot j (its GEMM and the
@@ -543,6 +631,7 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
     T, H = x.shape
     KI, KT = cdiv(I, P), cdiv(H, P)
     fp8 = q is not None
+    ring = _decode_ring(H, I, plan, fp8, tiled, w_gu.dtype, ring_depth)
     hc = nl.ndarray((P, KI + (KI % 2 if fp8 else 0), T), dtype=q.dtype if fp8 else nl.bfloat16,
                     buffer=nl.sbuf)                                              # [128, KIe, T]
     # FP8: quantize_parts zeroes hc's double_row pad tile itself
@@ -560,7 +649,8 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
             wrow = meta[:, 0:T]                                                 # [1, T]
         else:
             wrow = _row_broadcast(meta[:, 0:T], T, ones)                        # [128, T]
-        return _gate_up_stage(xT, A, T, H, I, wgu, wrow, q, plan, tiled), q and q.ws[2]
+        return (_gate_up_stage(xT, A, T, H, I, wgu, wrow, q, plan, tiled, ring),
+                q and q.ws[2])
 
     def scales(h, cd):
         """FP8: the token scale rows of h (into tiles of this iteration)."""
@@ -581,7 +671,7 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
         wd = w_d.select(0, _slot_register(ids_sb, k, j))
         if fp8:
             q.ws = (None, None, cdc)
-        _down_stage(hc, Bc if fp8 else None, T, H, I, wd, q, plan, tiled, sink)
+        _down_stage(hc, Bc if fp8 else None, T, H, I, wd, q, plan, tiled, sink, ring)
 
     regs = []
     for c in range(1, 3):
@@ -598,6 +688,19 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
 
     nl.fori_loop(0, m_reg, step)
     nl.fori_loop(0, one_reg, lambda j: down(0, m_reg))
+
+
+def _decode_ring(H, I, plan, fp8, tiled, dtype, depth):
+    """The weight ring of the decode loop (``_decode_ring_shape``), allocated once and shared
+    by the gate/up and the down transfers: the k-th transfer of the loop then waits for the
+    matmuls that read its slot a ring's depth of transfers back (a window of transfers in
+    program order), where a fresh tile per transfer leaves every weight load free to start at
+    once under the SBUF bound, queued ahead of the ones the next matmuls wait for. ``depth``
+    0: None (fresh tiles)."""
+    if not depth:
+        return None
+    n, kn, c = _decode_ring_shape(H, I, plan, fp8, tiled)
+    return D.WeightRing(n, kn, dtype, depth, ncols=c)
 
 
 def _load_scales(q, s_gu, s_d, e, I, H, ident_f):
@@ -886,7 +989,7 @@ def _mx_down(w_d, ds, I, H, tb, plan, hq, hs, x4, sink):
 @nki.jit
 def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh_gu, sh_d,
                             ss_gu, ss_d, combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused,
-                            mx=None):
+                            mx=None, ring=0):
     """Decode MoE: each distinct chosen expert read once, all tokens through it.
 
     Dimensions:
@@ -901,6 +1004,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
       s_gu: [E, 2I], s_d: [E, H] fp32 FP8 per-channel scales, else None.
       sh_gu: [H, 2Is], sh_d: [Is, H] shared expert (ss_gu [2Is], ss_d [H] FP8 scales) or None.
       combined, nf_gu, nf_d, kb_gu, kb_d, tiled, fused: from MoEPlan.
+      ring: bf16 / FP8, slots of the weight ring (``plan_decode_ring``; 0: fresh tiles).
       mx: None, or the x4 dtype of MXFP8 weights (Trn3): w_gu uint32 [E, 128, KT(H)*2I] and
         w_d uint32 [E, 128, KC*H] (``quantize_expert_weights_mx``: gate|up in the MX tile
         layout, down chunk-major in the x4 order of ``pack_down_chunks``), s_gu uint8
@@ -977,7 +1081,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
     widths = [t[1] for t in D.feature_tiles([(0, H, 0)])]
     if mx is None:
         _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled, ones,
-                          ident_f, sink)
+                          ident_f, sink, ring)
         _store_y(y, None, ident_f, yacc, 0, T, 0, widths)
         return y
 
@@ -1606,9 +1710,11 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, gate
     if regime == "decode":
         plan = plan_tiles("decode", T, H, I, wb, tiled)
         experts, n, comb = plan_decode_routing(lids, w32, E, (s_gu, s_d) if fp8 else None)
+        ring = plan_decode_ring(T, H, I, experts.shape[1], wb, fp8, plan, sbuf_budget(), Is,
+                                tiled)
         return launch(fused_moe_decode_kernel, x, w_gate_up, w_down, experts, n, comb, s_gu,
                       s_d, sh_gu, sh_d, ss_gu, ss_d, plan.combined, plan.nf_gu, plan.nf_d,
-                      plan.kb_gu, plan.kb_d, tiled, plan.fused)
+                      plan.kb_gu, plan.kb_d, tiled, plan.fused, None, ring)
     counts = np.bincount(lids[lids >= 0].ravel(), minlength=E) if (lids >= 0).any() else []
     budget = sbuf_budget()
     tb_cap = max(c for c in TB_CHOICES
