@@ -396,12 +396,19 @@ def k_chunks(KT, kb, step=1):
     return out
 
 
+def transfer_k_tiles(kb, double_row=False):
+    """k-tiles per weight transfer of ``gemm_pass`` for a plan's ``kb``: double_row rounds it
+    down to whole pairs, at least one."""
+    step = 2 if double_row else 1
+    return max(step, kb - kb % step)
+
+
 def prefetch_weights(ws, K, kb, c0, ncols, double_row=False, tiled=False):
     """The first transfer of a pass, issued ahead of everything else (decode: it is the head of
     the weight stream). Pass the result to ``gemm_pass(first=...)``."""
     step = 2 if double_row else 1
     KTe = cdiv(K, P) + (cdiv(K, P) % 2 if double_row else 0)
-    kb = max(step, kb - kb % step)
+    kb = transfer_k_tiles(kb, double_row)
     k0, kn = k_chunks(KTe, kb, step)[0]
     if tiled:
         k0, kn = _tile_chunks(KTe, kb, step)[0]
@@ -461,7 +468,7 @@ def gemm_pass(ws, xT, K, T, Tp, widths, c0, kb, double_row=False, first=None, ti
     KTe = KT + (KT % 2 if double_row else 0)
     perf = nisa.matmul_perf_mode.double_row if double_row else nisa.matmul_perf_mode.none
     accs = [nl.ndarray((P, nf, Tp), dtype=nl.float32, buffer=nl.psum) for _ in ws]  # [128, nf, Tp]
-    kb = max(step, kb - kb % step)
+    kb = transfer_k_tiles(kb, double_row)
     chunks = k_chunks(KTe, kb, step)
     # (k-chunk, feature tiles it feeds, column offset of the tiles in its SBUF tile)
     if tiled:   # chunk by chunk (the next GEMM may wait for its input chunk by chunk)
@@ -633,7 +640,7 @@ def gemm_pass_loads(nweights, K, widths, kb, itemsize, double_row=False, tiled=F
     KT = cdiv(K, P)
     step = 2 if double_row else 1
     KTe = KT + (KT % 2 if double_row else 0)
-    kb = max(step, kb - kb % step)
+    kb = transfer_k_tiles(kb, double_row)
     if tiled:
         return [nweights * kn * P * itemsize for _, kn in _tile_chunks(KTe, kb, step)
                 for _ in widths]

@@ -401,13 +401,13 @@ def swiglu_mlp_kernel(x, w_gate, w_up, w_down, norm_w, residual, s_gate, s_up, s
             _evict_y(yT, acc, widths, tb, q, B, j0, ev)
             del acc
             last = pi + 1 == len(dpasses)
-            if bi + 1 < len(blocks) and pi == 0 and fp8:
-                # FP8: the next block's rows after the first down pass's evictions: issued
-                # earlier, their norm (VectorE) and its SBUF traffic held up the quantization
-                # of h (GpSimd) that the down GEMM waits for
-                tn0, tnb = blocks[bi + 1]
-                rows_next = D.x_rows_normalised(x, tn0, tnb, None, None, norm, eps)
             if bi + 1 < len(blocks) and pi == 0:
+                if fp8:
+                    # the next block's rows after the first down pass's evictions: issued
+                    # earlier, their norm (VectorE) and its SBUF traffic held up the
+                    # quantization of h (GpSimd) that the down GEMM waits for
+                    tn0, tnb = blocks[bi + 1]
+                    rows_next = D.x_rows_normalised(x, tn0, tnb, None, None, norm, eps)
                 # FP8: the next block's per-token quantization, one sub-tile per down pass
                 # (below), so it overlaps this block's down GEMM without holding up the
                 # evictions and residual adds (VectorE) behind it

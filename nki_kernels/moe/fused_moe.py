@@ -145,8 +145,7 @@ def _decode_ring_shape(H, I, plan, fp8, tiled):
     """(weights, k-tiles, columns) of each slot of the decode weight ring (``_decode_ring``):
     large enough for a gate/up transfer and for a down transfer (tile-major: ``[128, kn,
     128]``), so that both streams take slots in program order."""
-    step = 2 if fp8 else 1
-    kn = max(max(step, kb - kb % step) for kb in (plan.kb_gu, plan.kb_d))   # as gemm_pass
+    kn = max(D.transfer_k_tiles(kb, fp8) for kb in (plan.kb_gu, plan.kb_d))
     n = 2 if plan.combined and not plan.fused else 1
     if tiled:
         return n, kn, P
