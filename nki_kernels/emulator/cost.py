@@ -952,7 +952,7 @@ def _capacity_bound(items, cap, pmax, when):
         starts.setdefault(i, []).append(key)
     for key, i in last.items():
         ends.setdefault(i, []).append(key)
-    usage, dead = {}, {}
+    usage, dead, freed, dirty = {}, {}, {}, {}
     waited = 0
     for it in items:
         for key in starts.get(it.i, ()):
@@ -960,15 +960,38 @@ def _capacity_bound(items, cap, pmax, when):
             if use is None:
                 use = usage[key[0]] = np.zeros(pmax, dtype=np.int64)
                 dead[key[0]] = []
+                freed[key[0]] = []
+                dirty[key[0]] = np.zeros(pmax, dtype=np.int64)
             p0, p1 = parts[key]
             size = rows[key][1] - rows[key][0]
-            heap = dead[key[0]]
+            heap, chunks, dirt = dead[key[0]], freed[key[0]], dirty[key[0]]
+            # bytes per partition beyond the room never taken: they come from space that dead
+            # tiles free, a tile's worth at a time, and whoever takes part of that space (this
+            # tile or a later one) waits for the dead tile's last accesses
+            need = np.maximum(0, size - np.maximum(0, cap - use[p0:p1] - dirt[p0:p1]))
             new = set()
-            while heap and int(use[p0:p1].max(initial=0)) + size > cap:
-                _, _, old = heapq.heappop(heap)
-                q0, q1 = parts[old]
-                use[q0:q1] -= rows[old][1] - rows[old][0]
-                new.update(final.pop(old).values())
+            ci = 0
+            while need.any():
+                if ci == len(chunks):
+                    if not heap:
+                        break           # live tiles exceed SBUF (the compiler would spill)
+                    _, _, old = heapq.heappop(heap)
+                    q0, q1 = parts[old]
+                    amt = np.zeros(pmax, dtype=np.int64)
+                    amt[q0:q1] = rows[old][1] - rows[old][0]
+                    use[q0:q1] -= amt[q0:q1]
+                    dirt[q0:q1] += amt[q0:q1]
+                    chunks.append((amt, tuple(final.pop(old).values())))
+                amt, deps = chunks[ci]
+                take = np.minimum(amt[p0:p1], need)
+                if take.any():
+                    new.update(deps)
+                    amt[p0:p1] -= take
+                    dirt[p0:p1] -= take
+                    need -= take
+                ci += 1
+            if ci:
+                chunks[:] = [c for c in chunks if c[0].any()]
             if new:
                 waited += 1
                 for i in gate[key].values():   # every DMA, and the first access on each queue

@@ -763,3 +763,48 @@ def test_sbuf_bound_takes_the_space_freed_first():
     for k in range(2, n):
         assert exps[k - 1] in sim.items[loads[k]].deps      # tile k: tile k - 2's space
         assert exps[k] not in sim.items[loads[k]].deps      # not tile k - 1's
+
+
+@jit
+def scratch_then_stream(scratch_src, src, n):
+    """One large scratch tile loaded and read once, then ``n`` loads of ``src`` into fresh tiles,
+    each read by a ScalarE exp into an accumulator, then one store."""
+    s = nl.ndarray(scratch_src.shape, scratch_src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=s, src=scratch_src)
+    acc = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+    nisa.activation(dst=acc, op=nl.exp, data=s[:, 0:src.shape[1]])
+    for _ in range(n):
+        t = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=src)
+        nisa.activation(dst=acc, op=nl.exp, data=t)
+    out = nl.ndarray(src.shape, src.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=acc)
+    return out
+
+
+def test_sbuf_bound_space_left_in_a_freed_tile_waits_for_it():
+    """A dead tile's space is free only once its last access is done, for every tile placed in
+    it, not only the one that made the bound reach for it. Trn2 (208 KiB usable per partition):
+    scratch 128 KiB + accumulator 32 + stream tile 0 (32) leave 16 KiB, so tile 1 takes 16 KiB of
+    the scratch tile's space, tiles 2-4 the rest of it (32 + 32 + 32 + 16 of 128 KiB) and tile 5
+    its last 16 KiB and 16 of tile 0's: tiles 1-5 wait for the exp that read the scratch tile
+    (before this rule only tile 1 did, and tiles 2-4 were ready at once), tile 5 also for tile
+    0's exp."""
+    scratch_src = np.ones((128, 32768), np.float32)     # 128 KiB per partition
+    src = np.ones((128, 8192), np.float32)              # 32 KiB per partition
+    n = 6
+    with trace() as tr:
+        with target("trn2"):
+            scratch_then_stream(scratch_src, src, n)
+    sched = []
+    model_trace(tr, "trn2", schedules=sched, params={"sbuf_bound": True})
+    sim = sched[0][3]
+    loads = [k for k, it in enumerate(sim.items) if it.ins.opcode == "dma_copy"][1:1 + n]
+    exps = [k for k, it in enumerate(sim.items) if it.ins.opcode == "activation"]
+    # exps[0] reads the scratch tile, exps[1 + k] stream tile k
+    assert exps[0] not in sim.items[loads[0]].deps      # room never taken
+    for k in range(1, n):
+        assert exps[0] in sim.items[loads[k]].deps
+        assert sim.start[loads[k]] >= sim.end[exps[0]]
+    assert all(exps[1] not in sim.items[loads[k]].deps for k in range(1, n - 1))
+    assert exps[1] in sim.items[loads[n - 1]].deps      # tile 0's space
