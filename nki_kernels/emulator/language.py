@@ -304,7 +304,15 @@ def dynamic_range(start, stop=None, step=1):
     from . import versions
     versions.check("nl.dynamic_range", "nl.dynamic_range")
     lo, hi = (0, start) if stop is None else (start, stop)
-    return (NkiScalar(i) for i in _builtins.range(runtime_value(lo), runtime_value(hi), step))
+    return _compiled_iterations(_builtins.range(runtime_value(lo), runtime_value(hi), step))
+
+
+def _compiled_iterations(values):
+    """The iterations of a compiled loop: one body copy (``rt.loop_body``)."""
+    with _rt.loop_body() as body:
+        for i in values:
+            _rt.next_iteration(body)
+            yield NkiScalar(i)
 
 
 def fori_loop(lower, upper, body_fun, step=1):
@@ -315,8 +323,8 @@ def fori_loop(lower, upper, body_fun, step=1):
         raise NkiValidationError(f"nl.fori_loop: step must be a positive compile-time int; got "
                                  f"{step!r}")
     lo, hi = runtime_value(lower), runtime_value(upper)
-    for i in _builtins.range(lo, hi, step):
-        r = body_fun(NkiScalar(i))
+    for i in _compiled_iterations(_builtins.range(lo, hi, step)):
+        r = body_fun(i)
         if r is not None:
             raise NkiValidationError("nl.fori_loop: body_fun must return None (carry state in "
                                      "tensors allocated outside the loop)")
@@ -326,14 +334,16 @@ def while_loop(init, body_fun):
     """``while r != 0: r = body_fun(r)`` on a register."""
     r = init
     guard = 0
-    while runtime_value(r) != 0:
-        r = body_fun(r)
-        if not (is_runtime(r) or isinstance(r, int)):
-            raise NkiValidationError("nl.while_loop: body_fun must return the next condition "
-                                     "register")
-        guard += 1
-        if guard > 10_000_000:
-            raise RuntimeError("nl.while_loop: more than 10M iterations")
+    with _rt.loop_body() as body:
+        while runtime_value(r) != 0:
+            _rt.next_iteration(body)
+            r = body_fun(r)
+            if not (is_runtime(r) or isinstance(r, int)):
+                raise NkiValidationError("nl.while_loop: body_fun must return the next "
+                                         "condition register")
+            guard += 1
+            if guard > 10_000_000:
+                raise RuntimeError("nl.while_loop: more than 10M iterations")
 
 
 @contextlib.contextmanager

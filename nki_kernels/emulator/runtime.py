@@ -85,6 +85,59 @@ def as_buffer(buffer, where: str) -> MemoryRegion:
 
 # ----------------------------------------------------------------------------- storage
 _alloc_ids = itertools.count(1)
+
+# Compiled (hardware) loops: ``nl.fori_loop``, ``nl.while_loop``, ``nl.dynamic_range``. The
+# compiler generates a single copy of the body and the hardware iterates over it (NKI docs,
+# "NKI Dynamic Loops"; the body is traced once, nki-spec 3.3), so each tensor allocated in the
+# body is one buffer for every iteration. The emulator runs the body once per iteration and
+# gives each iteration fresh storage (the numbers are the same); the trace names the k-th
+# allocation of every iteration by the first iteration's k-th (``trace_alloc``), so the cost
+# model orders an iteration's writes after the previous iterations' accesses of that buffer
+# and counts its SBUF space once, as on the device.
+_loop_bodies = []                 # innermost last
+_loop_ids = itertools.count()
+_loop_alias = {}                  # (body key, k) -> (alloc id, addr, p0, nbytes, buffer)
+
+
+class _LoopBody:
+    __slots__ = ("key", "seq")
+
+    def __init__(self, key):
+        self.key = key
+        self.seq = 0
+
+
+@contextlib.contextmanager
+def loop_body():
+    """Run a compiled loop's iterations inside this; call ``next_iteration`` before each."""
+    parent = _loop_bodies[-1] if _loop_bodies else None
+    if parent is None:
+        key = ("loop", next(_loop_ids))
+    else:                          # a nested loop: the same one in every outer iteration
+        key = (parent.key, parent.seq)
+        parent.seq += 1
+    body = _LoopBody(key)
+    _loop_bodies.append(body)
+    try:
+        yield body
+    finally:
+        _loop_bodies.remove(body)
+
+
+def next_iteration(body):
+    body.seq = 0
+
+
+def trace_alloc(st):
+    """(alloc id, addr, p0) the trace gives storage ``st``: its own, or for an allocation in a
+    compiled loop's body, the first iteration's allocation of the same place in the body."""
+    key = st.loop_key
+    if key is None:
+        return st.id, st.addr, st.p0
+    a = _loop_alias.setdefault(key, (st.id, st.addr, st.p0, st.nbytes, st.buffer))
+    if a[3] != st.nbytes or a[4] is not st.buffer:     # not the same allocation after all
+        return st.id, st.addr, st.p0
+    return a[0], a[1], a[2]
 _uses = itertools.count(1)    # a clock of tensor accesses: Storage.last_use
 
 
@@ -97,7 +150,7 @@ class Storage:
 
     __slots__ = ("id", "buffer", "raw", "nbytes", "partitions", "row_bytes", "name", "core",
                  "p0", "addr", "mm_written", "dtype", "site", "retired", "pitch", "pending",
-                 "last_use", "pinned", "__weakref__")
+                 "last_use", "pinned", "loop_key", "__weakref__")
 
     def __init__(self, buffer, nbytes, dtype, name="", partitions=1, row_bytes=None, core=None):
         self.id = next(_alloc_ids)
@@ -118,6 +171,11 @@ class Storage:
         self.pitch = self.nbytes  # HBM: bytes of one row (last dim) of the allocated shape
         self.pending = None    # SBUF: the allocator that places it at its first use
         self.pinned = False    # on-chip, placed by ``address=`` (the kernel owns the placement)
+        self.loop_key = None   # (compiled loop body, k): its k-th allocation (``trace_alloc``)
+        if _loop_bodies:
+            b = _loop_bodies[-1]
+            self.loop_key = (b.key, b.seq)
+            b.seq += 1
 
     def __repr__(self):
         return f"<{self.buffer.name} alloc #{self.id} {self.name!r} {self.nbytes} B>"

@@ -117,9 +117,10 @@ def operand(role, t) -> Operand:
     if t._vec is not None:
         run = min(run, max(1, t.size // max(1, shape[0])))
     nbytes = t.size * isz
+    sid, addr, p0 = rt.trace_alloc(st)
     if st.buffer.on_chip:
         pe = st.row_bytes // isz if isz else 1
-        p_lo = st.p0 + off // pe if pe else 0
+        p_lo = p0 + off // pe if pe else 0
         p_hi = p_lo + (shape[0] if shape else 1)
         f0 = off % pe if pe else 0
         lo = hi = f0
@@ -128,11 +129,11 @@ def operand(role, t) -> Operand:
                 hi += s * (n - 1)
             else:
                 lo += s * (n - 1)
-        extent = (st.addr + lo * isz, st.addr + (hi + 1) * isz)
+        extent = (addr + lo * isz, addr + (hi + 1) * isz)
         parts = (p_lo, p_hi)
     else:
         parts, extent = _hbm_rect(t, st, off, isz, dims)
-    return Operand(role, st.buffer.name, st.id, t.dtype.name, isz, shape, parts, extent,
+    return Operand(role, st.buffer.name, sid, t.dtype.name, isz, shape, parts, extent,
                    run * isz, nbytes, indirect, tuple(zip(strides, shape)), st.pinned)
 
 

@@ -808,3 +808,59 @@ def test_sbuf_bound_space_left_in_a_freed_tile_waits_for_it():
         assert sim.start[loads[k]] >= sim.end[exps[0]]
     assert all(exps[1] not in sim.items[loads[k]].deps for k in range(1, n - 1))
     assert exps[1] in sim.items[loads[n - 1]].deps      # tile 0's space
+
+
+@jit
+def stream_loop(src, n, compiled):
+    """``n`` loads of ``src`` into a tile allocated in the loop body, each read by a ScalarE exp
+    into an accumulator allocated outside, then one store; ``compiled``: ``nl.fori_loop`` (one
+    copy of the body on the device), else a Python loop (unrolled: a tile per iteration)."""
+    acc = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=acc, value=0.0)
+
+    def body(i):
+        t = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=src)
+        nisa.activation(dst=t, op=nl.exp, data=t)
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=t, op=nl.add)
+
+    if compiled:
+        nl.fori_loop(0, n, body)
+    else:
+        for i in range(n):
+            body(i)
+    out = nl.ndarray(src.shape, src.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=acc)
+    return out
+
+
+def test_compiled_loop_body_is_one_buffer():
+    """A compiled loop runs one copy of its body (NKI docs, "NKI Dynamic Loops"), so a tile
+    allocated in the body is one buffer for all iterations: the trace names every iteration's
+    tile by the first one's allocation, and the model lets an iteration's load start only once
+    the buffer's value two back is dead (the renaming rule's rotation over two buffers); an
+    unrolled Python loop's tiles are separate allocations whose loads all start at once (SBUF
+    bound off). The numbers are the same either way."""
+    src = (np.arange(128 * 512, dtype=np.float32).reshape(128, 512) % 7) / 8
+    n = 6
+    want = n * np.exp(src)
+    res = {}
+    for compiled in (True, False):
+        with trace() as tr:
+            with target("trn2"):
+                out = stream_loop(src, n, compiled)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5)
+        sched = []
+        model_trace(tr, "trn2", schedules=sched, params={"sbuf_bound": False})
+        sim = sched[0][3]
+        loads = [k for k, it in enumerate(sim.items) if it.ins.opcode == "dma_copy"][:n]
+        reads = [k for k, it in enumerate(sim.items) if it.ins.opcode == "tensor_tensor"]
+        res[compiled] = ({sim.items[k].ins.writes[0].alloc for k in loads},
+                         [sim.start[k] for k in loads], [sim.end[k] for k in reads])
+    allocs, starts, ends = res[True]
+    assert len(allocs) == 1
+    for k in range(2, n):
+        assert starts[k] >= ends[k - 2]
+    allocs, starts, ends = res[False]
+    assert len(allocs) == n
+    assert all(s < ends[0] for s in starts)
