@@ -245,6 +245,35 @@ def test_fp8(tgt, rng, regime, tiled, shared):
     assert cosine_similarity(y.astype(np.float32), ref.astype(np.float32)) > 0.999
 
 
+def test_fp8_decode_loop_body_is_traced_once(monkeypatch, rng):
+    """The device runs one traced copy of a compiled loop's body, so every iteration of the FP8
+    decode loop takes the same weight-ring slots (the Python slot counter restarts each
+    iteration); advancing it across iterations would model a rotation the device never runs."""
+    from nki_kernels.dense import _tiles
+    from nki_kernels.emulator import runtime as rt
+    seen = []
+    take = _tiles.WeightRing.take
+
+    def spy(self, *a, **k):
+        body = rt._loop_bodies[-1] if rt._loop_bodies else None
+        seen.append((body.key if body else None, id(body), self.n % len(self.slots)))
+        return take(self, *a, **k)
+
+    monkeypatch.setattr(_tiles.WeightRing, "take", spy)
+    # Qwen3-30B-A3B widths: 11 transfers per iteration on a ring of 4 (not a multiple)
+    x, g8, d8, w, ids, kw = _fp8_case(rng, 1, 2048, 768, 8, 6, E4M3FN)
+    with target("trn3"):
+        fused_moe(x, g8, d8, w, ids, regime="decode", **kw)
+    keys = [k for k, _, _ in seen]
+    step = max(set(keys), key=keys.count)              # the loop over experts 1 .. n - 1
+    per = [s for k, _, s in seen if k == step]
+    n_iter = 5                                          # 6 experts: the prologue, 5 steps
+    k = len(per) // n_iter
+    assert len(per) == k * n_iter and k % len(set(per)) != 0
+    assert all(per[i * k:(i + 1) * k] == per[0:k] for i in range(n_iter))
+    assert len({b for kk, b, _ in seen if kk == step}) == 1   # one body (the same loop)
+
+
 # ---------------------------------------------------------------------------- LNC 2 (prefill)
 def test_prefill_plan_for_two_cores():
     """Each expert's blocks all on one core, the experts dealt largest first to the core with

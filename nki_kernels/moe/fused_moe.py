@@ -613,7 +613,7 @@ def _down_stage(hT, B, tb, H, I, wd, q, plan, tiled, sink, ring=None):
 
 
 def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled, ones, ident_f,
-                      sink, ring_depth):
+                      sink, ring_depth, turns=()):
     """The decode loop over the chosen experts (bf16 and FP8 weights), software-pipelined by
     one expert: iteration j issues the gate/up stage of slot j + 1 (its scale columns, the
     gate/up GEMM and evictions, FP8's |h|max), the down stage of slot j (its GEMM and the
@@ -680,7 +680,15 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
     m_reg, one_reg = regs
     nl.fori_loop(0, one_reg, lambda j: rest(*scales(*gate_up(0, j))))
 
+    # the device runs one traced copy of the body: the Python state it advances (the ring's next
+    # slot, the eviction engines' turn in ``turns``) starts every iteration where the trace did
+    n0, t0 = ring.n if ring is not None else 0, [t[0] for t in turns]
+
     def step(j):
+        if ring is not None:
+            ring.n = n0
+        for t, v in zip(turns, t0):
+            t[0] = v
         h = scales(*gate_up(1, j))      # before down(j): VectorE has the scales ready when
         down(0, j)                      # TensorE reaches rest's broadcasts
         rest(*h)
@@ -1080,7 +1088,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
     widths = [t[1] for t in D.feature_tiles([(0, H, 0)])]
     if mx is None:
         _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled, ones,
-                          ident_f, sink, ring)
+                          ident_f, sink, ring, turns=(ev,))
         _store_y(y, None, ident_f, yacc, 0, T, 0, widths)
         return y
 
@@ -1092,7 +1100,10 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
         comb_sb = nl.ndarray((1, comb.shape[0], T), dtype=nl.float32, buffer=nl.sbuf)  # [1, S, T]
         nisa.dma_copy(dst=comb_sb, src=comb.reshape((1, comb.shape[0], T)))
 
+    ev0 = ev[0]        # one traced copy of the body: the eviction turn restarts each iteration
+
     def body(s):
+        ev[0] = ev0
         e = nisa.register_alloc()
         nisa.register_load(dst=e, src=ids_sb[0:1, nl.ds(s, 1)])
         row = nl.ndarray((1, T), dtype=nl.float32, buffer=nl.sbuf)              # [1, T]
