@@ -1089,7 +1089,13 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
     if mx is None:
         _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled, ones,
                           ident_f, sink, ring, turns=(ev,))
-        _store_y(y, None, ident_f, yacc, 0, T, 0, widths)
+        if H % P == 0 and T <= P // 8:
+            # grouped bf16 transposes, as MX (at T = 1 one instead of 16): the tail after the
+            # last weight byte is shorter (T = 1, 8); at T = 64 (two tiles per transpose) the
+            # rounding pass over yacc first made it longer (modeled)
+            _store_y_bf16(y, ident, yacc, T, widths)
+        else:
+            _store_y(y, None, ident_f, yacc, 0, T, 0, widths)
         return y
 
     # MXFP8: one expert per iteration
