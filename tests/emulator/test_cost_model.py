@@ -697,14 +697,15 @@ def test_dma_rings_of_different_triggers_share_an_engine_round_robin():
 
 
 @jit
-def stream_through(src, n, scratch=False):
-    """``n`` loads of ``src`` into fresh SBUF tiles, each read by a ScalarE exp, then one store;
-    with ``scratch``, first one more tile of the same size loaded and read once."""
+def stream_through(src, n, scratch=None):
+    """``n`` loads of ``src`` into fresh SBUF tiles, each read by a ScalarE exp into an
+    accumulator, then one store; with ``scratch`` (an array at least as wide as ``src``), first
+    a tile of its shape loaded and read once."""
     acc = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
-    if scratch:
-        s = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=s, src=src)
-        nisa.activation(dst=acc, op=nl.exp, data=s)
+    if scratch is not None:
+        s = nl.ndarray(scratch.shape, scratch.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=s, src=scratch)
+        nisa.activation(dst=acc, op=nl.exp, data=s[:, 0:src.shape[1]])
     for _ in range(n):
         t = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=src)
@@ -751,7 +752,7 @@ def test_sbuf_bound_takes_the_space_freed_first():
     n = 6
     with trace() as tr:
         with target("trn2"):
-            stream_through(src, n, scratch=True)
+            stream_through(src, n, scratch=src)
     sched = []
     rep = model_trace(tr, "trn2", schedules=sched, params={"sbuf_bound": True})
     sim = sched[0][3]
@@ -763,23 +764,6 @@ def test_sbuf_bound_takes_the_space_freed_first():
     for k in range(2, n):
         assert exps[k - 1] in sim.items[loads[k]].deps      # tile k: tile k - 2's space
         assert exps[k] not in sim.items[loads[k]].deps      # not tile k - 1's
-
-
-@jit
-def scratch_then_stream(scratch_src, src, n):
-    """One large scratch tile loaded and read once, then ``n`` loads of ``src`` into fresh tiles,
-    each read by a ScalarE exp into an accumulator, then one store."""
-    s = nl.ndarray(scratch_src.shape, scratch_src.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=s, src=scratch_src)
-    acc = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
-    nisa.activation(dst=acc, op=nl.exp, data=s[:, 0:src.shape[1]])
-    for _ in range(n):
-        t = nl.ndarray(src.shape, src.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=src)
-        nisa.activation(dst=acc, op=nl.exp, data=t)
-    out = nl.ndarray(src.shape, src.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=acc)
-    return out
 
 
 def test_sbuf_bound_space_left_in_a_freed_tile_waits_for_it():
@@ -795,7 +779,7 @@ def test_sbuf_bound_space_left_in_a_freed_tile_waits_for_it():
     n = 6
     with trace() as tr:
         with target("trn2"):
-            scratch_then_stream(scratch_src, src, n)
+            stream_through(src, n, scratch=scratch_src)
     sched = []
     model_trace(tr, "trn2", schedules=sched, params={"sbuf_bound": True})
     sim = sched[0][3]
