@@ -85,6 +85,7 @@ def as_buffer(buffer, where: str) -> MemoryRegion:
 
 # ----------------------------------------------------------------------------- storage
 _alloc_ids = itertools.count(1)
+_uses = itertools.count(1)    # a clock of tensor accesses: Storage.last_use
 
 # Compiled (hardware) loops: ``nl.fori_loop``, ``nl.while_loop``, ``nl.dynamic_range``. The
 # compiler generates a single copy of the body and the hardware iterates over it (NKI docs,
@@ -138,7 +139,6 @@ def trace_alloc(st):
     if a[3] != st.nbytes or a[4] is not st.buffer:     # not the same allocation after all
         return st.id, st.addr, st.p0
     return a[0], a[1], a[2]
-_uses = itertools.count(1)    # a clock of tensor accesses: Storage.last_use
 
 
 class Storage:

@@ -680,21 +680,28 @@ def _decode_pipelined(x, w_gu, w_d, comb, ids_sb, n_sb, xT, A, I, q, plan, tiled
     m_reg, one_reg = regs
     nl.fori_loop(0, one_reg, lambda j: rest(*scales(*gate_up(0, j))))
 
-    # the device runs one traced copy of the body: the Python state it advances (the ring's next
-    # slot, the eviction engines' turn in ``turns``) starts every iteration where the trace did
-    n0, t0 = ring.n if ring is not None else 0, [t[0] for t in turns]
-
     def step(j):
-        if ring is not None:
-            ring.n = n0
-        for t, v in zip(turns, t0):
-            t[0] = v
         h = scales(*gate_up(1, j))      # before down(j): VectorE has the scales ready when
         down(0, j)                      # TensorE reaches rest's broadcasts
         rest(*h)
 
-    nl.fori_loop(0, m_reg, step)
+    nl.fori_loop(0, m_reg, _traced_once(step, ring, turns))
     nl.fori_loop(0, one_reg, lambda j: down(0, m_reg))
+
+
+def _traced_once(body, ring=None, turns=()):
+    """``body`` for ``nl.fori_loop``, as the device runs it: one traced copy, so the Python state
+    the body advances (the weight ring's next slot, the eviction engines' turn in the one-element
+    lists ``turns``) starts every iteration where it stood when the loop was traced (here)."""
+    n0, t0 = ring.n if ring is not None else 0, [t[0] for t in turns]
+
+    def run(j):
+        if ring is not None:
+            ring.n = n0
+        for t, v in zip(turns, t0):
+            t[0] = v
+        body(j)
+    return run
 
 
 def _decode_ring(H, I, plan, fp8, tiled, dtype, depth):
@@ -1106,10 +1113,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
         comb_sb = nl.ndarray((1, comb.shape[0], T), dtype=nl.float32, buffer=nl.sbuf)  # [1, S, T]
         nisa.dma_copy(dst=comb_sb, src=comb.reshape((1, comb.shape[0], T)))
 
-    ev0 = ev[0]        # one traced copy of the body: the eviction turn restarts each iteration
-
     def body(s):
-        ev[0] = ev0
         e = nisa.register_alloc()
         nisa.register_load(dst=e, src=ids_sb[0:1, nl.ds(s, 1)])
         row = nl.ndarray((1, T), dtype=nl.float32, buffer=nl.sbuf)              # [1, T]
@@ -1123,7 +1127,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
 
     n_reg = nisa.register_alloc()
     nisa.register_load(dst=n_reg, src=n_sb[0:1, 0:1])
-    nl.fori_loop(0, n_reg, body)
+    nl.fori_loop(0, n_reg, _traced_once(body, turns=(ev,)))
     _store_y_bf16(y, ident, yacc, T, widths)
     return y
 
