@@ -247,9 +247,10 @@ class OnChipAllocator:
         old = [(sid, st) for sid, st in old if st is not None and st is not keep
                and sid in self.live and bool(st.last_use) == used]
         for sid, st in old:
-            st.retired = (f"the statement that allocated it ran again (a later loop iteration) "
-                          f"while it was live, and both did not fit ({self.region.name} capacity "
-                          f"exceeded); keep fewer tiles live or allocate it once outside the loop")
+            st.retired = (f"the statement that allocated it{_where(site)} ran again (a later "
+                          f"loop iteration) while it was live, and both did not fit "
+                          f"({self.region.name} capacity exceeded); keep fewer tiles live or "
+                          f"allocate it once outside the loop")
             self.release(sid)
         return bool(old)
 
@@ -279,8 +280,10 @@ class OnChipAllocator:
                 best = o
         if best is None:
             return False
-        best.retired = (f"its space went to {st.name or 'a later tile'!r}, which did not fit "
-                        f"beside the live {self.region.name} tiles ({detail}); unused since, it "
+        w = _where(st.site)
+        best.retired = (f"its space went to {st.name or 'a later tile'!r}"
+                        f"{' allocated' + w if w else ''}, which did not fit beside the live "
+                        f"{self.region.name} tiles ({detail}); unused since, it "
                         f"was taken for dead (the compiler frees a tile after its last use). Keep "
                         f"fewer tiles live at once")
         self.release(best.id)
@@ -386,6 +389,17 @@ class OnChipAllocator:
 
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _where(site):
+    """``site``'s innermost kernel line as text, e.g. ' at kernel.py:42'; '' when unknown."""
+    if not site:
+        return ""
+    code, lasti = site[0]
+    for start, end, line in code.co_lines():
+        if start <= lasti < end and line is not None:
+            return f" at {os.path.basename(code.co_filename)}:{line}"
+    return ""
 
 
 def _call_site():

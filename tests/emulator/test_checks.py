@@ -893,9 +893,10 @@ def rt_sbuf_partitions_past_end():
     sb((64, 8), name="y", address=(100, 0))
 
 
-@case(q("'a' (sbuf) is used after its space was reused: its space went to 'b', which did not fit "
-        "beside the live sbuf tiles (240000 bytes per partition needed, the limit is 212992 usable "
-        "bytes per partition on trn2)"), tgt="trn2")
+@case(q("'a' (sbuf) allocated at test_checks.py:") + r"\d+" + q(" is used after its space was "
+        "reused: its space went to 'b' allocated at test_checks.py:") + r"\d+" + q(", which did not "
+        "fit beside the live sbuf tiles (240000 bytes per partition needed, the limit is 212992 "
+        "usable bytes per partition on trn2)"), tgt="trn2")
 def rt_sbuf_capacity():
     a = sb((128, 30000), name="a")
     b = sb((128, 30000), name="b")
@@ -1395,3 +1396,23 @@ def test_loop_body_tile_kept_past_its_iteration_is_a_capacity_error():
     with target("trn2"), pytest.raises(NkiValidationError,
                                        match="'t0' .*used after its space was reused"):
         k()
+
+
+def test_psum_refusal_names_the_allocating_line():
+    """A capacity refusal names the kernel line that allocated the tile, as the user wrote it."""
+    @jit
+    def k():
+        tiles = []
+        for i in range(9):
+            t = nl.ndarray((128, 512), nl.float32, buffer=nl.psum, name=f"acc{i}")   # ALLOC
+            nisa.memset(t, 0.0)
+            tiles.append(t)
+        for t in tiles:
+            nisa.memset(t, 1.0)     # all nine read after all were written: 9 banks of 8
+    line = next(i for i, text in enumerate(open(__file__), 1) if text.rstrip().endswith("# ALLOC"))
+    at = f"allocated at test_checks.py:{line}"
+    with target("trn2"), pytest.raises(NkiValidationError) as err:
+        k()
+    assert str(err.value).startswith(f"'acc0' (psum) {at} is used after its space was reused: "
+                                     f"the statement that allocated it at test_checks.py:{line} "
+                                     "ran again (a later loop iteration)"), str(err.value)

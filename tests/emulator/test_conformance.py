@@ -632,8 +632,10 @@ def test_tiles_past_their_last_use_free_their_space():
             nisa.memset(b, 0.0)
         nisa.memset(small, 1.0)                      # small was live after all: 8 banks + it
     with emu.target("trn2"), pytest.raises(
-            NkiValidationError, match=r"'small' \(psum\) is used after its space was reused: its space "
-                                      r"went to 'b7', which did not fit beside the live psum tiles"):
+            NkiValidationError, match=r"'small' \(psum\) allocated at test_conformance.py:\d+ is used "
+                                      r"after its space was reused: its space went to 'b7' "
+                                      r"allocated at test_conformance.py:\d+, which did not fit "
+                                      r"beside the live psum tiles"):
         still_live(x)
 
 
