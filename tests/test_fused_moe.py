@@ -645,3 +645,23 @@ def test_prefill_gate_up_in_passes(tgt, rng, T, fp8):
     ref = fused_moe_ref(x, g8, d8, w, ids, act_dtype=dtype, **kw)
     y = fused_moe(x, g8, d8, w, ids, regime="prefill", **kw)
     assert cosine_similarity(y.astype(np.float32), ref.astype(np.float32)) > 0.999
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_prefill_accumulator_slabs(rng, monkeypatch, lnc):
+    """The fp32 accumulator in column slabs narrower than a down pass (160 of H = 384 here, so
+    passes and the shared expert's rows cross slab boundaries), at LNC 1 and 2 (a barrier per
+    slab), routed and shared experts, bf16 and FP8."""
+    import nki_kernels.moe.fused_moe as M
+    monkeypatch.setattr(M, "ACC_COLS", 160)
+    x, wgu, wd, w, ids = _case(rng, 300, 384, 128, 4, 2)
+    sg, sd = _weights(rng, 1, 384, 256)
+    with target("trn3"):
+        _run(x, wgu, wd, w, ids, "prefill", lnc=lnc,
+             shared=(sg[0].astype(BF16), sd[0].astype(BF16)))
+        _run(x, wgu, wd, w, ids, "prefill", lnc=lnc)
+    x, g8, d8, w, ids, kw = _fp8_case(rng, 140, 384, 256, 4, 2, E4M3FN, shared=True)
+    ref = fused_moe_ref(x, g8, d8, w, ids, act_dtype=E4M3FN, **kw)
+    with target("trn3"):
+        y = fused_moe(x, g8, d8, w, ids, regime="prefill", lnc=lnc, **kw)
+    assert cosine_similarity(y.astype(np.float32), ref.astype(np.float32)) > 0.999

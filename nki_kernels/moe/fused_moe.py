@@ -80,6 +80,7 @@ DECODE_RING = 4          # FP8 decode: weight transfers in flight (slots of a ri
                          # T=64: 1492.8 -> 1265.9 us (75.1 -> 88.6% of the HBM roof), T=1 90.0
                          # -> 88.3 (79.7 -> 81.2%)
 _MX_FMTS = {"e4m3fn": "float8_e4m3fn_x4", "e5m2": "float8_e5m2_x4"}
+ACC_COLS = 1024          # prefill: columns of each fp32 accumulator slab (_Accumulators)
 
 
 # ------------------------------------------------------------------------------ host side
@@ -1185,15 +1186,16 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
       accumulators' rows, cast to bf16 by the DMA engines) while TensorE computes its next
       block: no pass over the fp32 accumulator trails the kernel.
     Pseudocode:
-      y32 = 0                                                 # fp32 HBM
+      y32 = 0                                 # fp32 HBM, in column slabs (_Accumulators)
       for (blocks, tb) in (full blocks, tb), (tail blocks, tt):   # _PrefillPipe's stages:
-        front(b):   rows = x[gidx[b]]; xT = transpose(rows)   # indirect DMA gather
+        front(b):   rows = x[gidx[b]]                         # indirect DMA gather
+        prep(b):    xT = transpose(rows) (FP8 / MX: quantized)
         gate_up(b): G, U = Wg[e_b].T @ xT, Wu[e_b].T @ xT     # e_b = register(blk_expert[b])
         rest(b):    hT = silu(G) * U (MX: * bw[b])
         down(b):    y32[sidx[b]] += bw[b] * transpose(Wd[e_b].T @ hT)   # scatter-add
-        front(0); gate_up(0); front(1); rest(0)
+        front(0); prep(0); gate_up(0); front(1); prep(1); rest(0)
         fori j in [0, n_blocks - 1):                          # hardware loop, runtime count
-          gate_up(j+1); front(j+2); down(j); rest(j+1)
+          front(j+2); gate_up(j+1); down(j); prep(j+2); rest(j+1)   # bf16: prep, then down
         down(n_blocks - 1)
       y = bf16(y32 + shared(x)) (without a shared expert: bf16(y32))   # by token block
     """
@@ -1209,12 +1211,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         raise ValueError(f"fused_moe_prefill_kernel: the plan is for {be_a.shape[0]} cores; "
                          f"launched on {programs}")
     y = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
-    if programs == 1:
-        y32 = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.hbm)
-        y32_all = None
-    else:      # LNC 2: an accumulator per core (DMA read-modify-writes of two cores would race)
-        y32_all = nl.ndarray((programs, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
-        y32 = y32_all[pid]
+    y32 = _Accumulators(T, H, programs, pid)
     ident = D.identity(nl.bfloat16)
     ident_f = D.identity(nl.float32)
     q = _Fp8(w_gu.dtype, None, None) if fp8 else None
@@ -1237,27 +1234,33 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
     # zeros take a DMA ring of their own (hardware DGE from Sync; a ring is tied to the trigger
     # engine and descriptor method, NKI DMA guide), served round robin beside the first
     # blocks' weight loads instead of ahead of them
-    zero = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf)                 # [128, H]
+    zero = nl.ndarray((P, ACC_COLS), dtype=nl.float32, buffer=nl.sbuf)         # [128, W]
     nisa.memset(dst=zero, value=0.0)
     for a in range(0, T, P):
         n = min(P, T - a)
-        nisa.dma_copy(dst=y32[a:a + n, :], src=zero[0:n, :],
-                      dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
+        for slab in y32.mine:
+            nisa.dma_copy(dst=slab[a:a + n, :], src=zero[0:n, 0:slab.shape[1]],
+                          dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
     del zero
 
     for be_sb, n_sb, gidx, sidx, bw, plan in loops:
         # the pipelined loop: prologue, n - 1 iterations, the last block's down stage
         pipe = _PrefillPipe(x, w_gu, w_d, I, be_sb, gidx, sidx, bw, s_gu, s_d, q, plan, tiled,
                             y32, ident, ident_f, d_widths, mx)
-        pipe.front(0, 0)
+        pipe.prep(pipe.front(0, 0))
         parts = pipe.gate_up(0, 0)
-        pipe.front(1, 0)
+        pipe.prep(pipe.front(1, 0))
         pipe.rest(0, 0, *parts)
 
         def step(j, pipe=pipe):
+            subs = pipe.front(2, j)
             parts = pipe.gate_up(1, j)
-            pipe.front(2, j)
-            pipe.down(0, j)
+            if pipe.quantized:         # a long prep after the down stage (see front)
+                pipe.down(0, j)
+                pipe.prep(subs)
+            else:
+                pipe.prep(subs)
+                pipe.down(0, j)
             pipe.rest(1, j, *parts)
 
         m_reg = nisa.register_alloc()
@@ -1265,18 +1268,21 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         nl.fori_loop(0, m_reg, step)
         pipe.down(0, m_reg)
         del pipe, step, parts          # the loop's tiles are dead: their space is free again
-    if y32_all is not None:            # both cores' scatter-adds are done before either reads
-        nisa.core_barrier(y32_all, tuple(range(programs)))
-    accs = [y32] if y32_all is None else [y32_all[c] for c in range(programs)]
+    if programs > 1:                   # both cores' scatter-adds are done before either reads
+        for t in y32.all:
+            nisa.core_barrier(t, tuple(range(programs)))
+    accs = y32.cores()
 
     if sh_gu is None:                  # y = bf16(sum of the accumulators), 128 rows at a time
         for i, r0 in enumerate(range(0, T, P)):
             rn = min(P, T - r0)
-            if y32_all is None:        # the DMA casts
-                nisa.dma_copy(dst=y[r0:r0 + rn, :], src=y32[r0:r0 + rn, :])
-            elif i % programs == pid:  # LNC 2: fp32 add in the DMA engines, then the cast
-                nisa.dma_compute(dst=y[r0:r0 + rn, :], srcs=[a[r0:r0 + rn, :] for a in accs],
-                                 reduce_op=nl.add)
+            r = slice(r0, r0 + rn)
+            for g, (a, b) in enumerate(y32.bounds):
+                if programs == 1:      # the DMA casts
+                    nisa.dma_copy(dst=y[r, a:b], src=y32.mine[g][r, :])
+                elif i % programs == pid:  # LNC 2: fp32 add in the DMA engines, then the cast
+                    nisa.dma_compute(dst=y[r, a:b], srcs=[c[g][r, :] for c in accs],
+                                     reduce_op=nl.add)
         return y
 
     # the shared expert last, token block by token block (at LNC 2 every other block): its
@@ -1310,6 +1316,47 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
         A = (A, a_row) if fp8 else None
         _expert_step(xT, A, tbs, H, Is, sh_gu, sh_d, None, q, sp, tiled, put, fp8)
     return y
+
+
+class _Accumulators:
+    """The prefill's fp32 accumulator ``y32 [T, H]`` as column slabs of ``ACC_COLS``, each an
+    HBM tensor of its own (``mine``: this core's; at LNC 2 ``all``: one ``[cores, T, w]``
+    shared tensor per slab, a core's scatter-adds racing the other's otherwise). A scatter-add
+    is a DMA read-modify-write of rows known only at run time, so it is ordered after every
+    earlier write to its tensor: with one tensor every scatter-add of the kernel waits for the
+    previous one (modeled, Qwen3-30B-A3B T=4096 FP8: four per block in a chain, ~19 us a
+    block); slabs give a chain per slab, and the column pieces of one pass run side by side."""
+
+    def __init__(self, T, H, programs, pid):
+        self.bounds = [(c, min(H, c + ACC_COLS)) for c in range(0, H, ACC_COLS)]
+        if programs == 1:
+            self.all = None
+            self.mine = [nl.ndarray((T, b - a), dtype=nl.float32, buffer=nl.hbm)
+                         for a, b in self.bounds]
+        else:
+            self.all = [nl.ndarray((programs, T, b - a), dtype=nl.float32, buffer=nl.shared_hbm)
+                        for a, b in self.bounds]
+            self.mine = [t[pid] for t in self.all]
+        self.programs = programs
+
+    def cores(self):
+        """Every core's slabs: ``[core][slab]``."""
+        if self.all is None:
+            return [self.mine]
+        return [[t[c] for t in self.all] for c in range(self.programs)]
+
+    @staticmethod
+    def pieces(slabs, c0, n):
+        """Columns ``[c0, c0 + n)`` of y32 by slab: ``(slab, its first column, width, column
+        from c0)`` (``slabs``: one core's list, or an ``_Accumulators``)."""
+        out, a = [], 0
+        for g, t in enumerate(slabs.mine if isinstance(slabs, _Accumulators) else slabs):
+            b = a + t.shape[1]
+            lo, hi = max(a, c0), min(b, c0 + n)
+            if lo < hi:
+                out.append((g, lo - a, hi - lo, lo - c0))
+            a = b
+        return out
 
 
 def _index_col(row, s0, ts):
@@ -1354,6 +1401,7 @@ class _PrefillPipe:
         H = x.shape[1]
         self.H, self.I = H, I
         self.KT, self.KI, self.tb = cdiv(H, P), cdiv(self.I, P), plan.tb
+        self.quantized = q is not None or mx is not None
         fp8 = q is not None
         tb = self.tb
         if mx is not None:     # MXFP8: the carried activations are quantized
@@ -1378,7 +1426,13 @@ class _PrefillPipe:
             self.inv = nl.ndarray((1, tb), dtype=nl.float32, buffer=nl.sbuf)    # [1, tb]
 
     def front(self, k, j):
-        x, H, tb, q = self.x, self.H, self.tb, self.q
+        """The block's token rows gathered from x (indirect DMA) -> [(s0, ts, x_sb [ts, H])],
+        handed to :meth:`prep`. Split from it so the loop body issues the gather first and,
+        for FP8 / MX, the quantization and transposes after the down stage: TensorE runs in
+        program order, and the transposes, behind the gather and VectorE's quantization, held
+        the down matmuls (modeled, Qwen3-30B-A3B T=4096 FP8 Trn3: 6907 -> 5642 us). A bf16
+        prep is transposes only; after the down stage it was slower (6564 -> 6626 us)."""
+        x, H, tb = self.x, self.H, self.tb
         gi_row = _slot_row(self.gidx, k, j)
         subs = []
         for s0 in range(0, tb, P):
@@ -1388,6 +1442,12 @@ class _PrefillPipe:
             nisa.dma_copy(dst=x_sb, src=x.ap([[H, ts], [1, H]], offset=0, vector_offset=gi,
                                              indirect_dim=0))
             subs.append((s0, ts, x_sb))
+        return subs
+
+    def prep(self, subs):
+        """Gathered rows (:meth:`front`) -> the carried x operand (xT; FP8 quantized, with A and
+        a_row; MX: xq / xs)."""
+        H, tb, q = self.H, self.tb, self.q
         if self.mx is not None:
             _x_mx(subs, tb, H, self.ident, self.mx, out=(self.xq, self.xs))
             return
@@ -1612,14 +1672,14 @@ def _evict_scaled(acc, widths, tb, c):
 
 
 def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None, accs=None):
-    """``yT [features, tokens]`` -> rows of the fp32 accumulator ``y32`` at columns
-    ``[sum(before), + sum(widths))``: fp32 PE transposes (4 feature tiles per PSUM bank), then a
-    scatter-add to the rows ``sis[sub-tile]`` (indirect DMA read-modify-write, padding rows out
-    of bounds and skipped), or (``sis`` None) the rows t0... of ``y32`` finished as
-    ``bf16(rows + sum(a[rows] for a in accs))`` (``dma_compute``: fp32 in the DMA engines, then
-    the cast). ``tcols``: one per-token scale column ``[ts, 1]`` per sub-tile, applied on the
-    PSUM eviction."""
-    H = y32.shape[1]
+    """``yT [features, tokens]`` -> rows of the fp32 accumulator ``y32`` (``_Accumulators``) at
+    columns ``[sum(before), + sum(widths))``: fp32 PE transposes (4 feature tiles per PSUM bank),
+    then a scatter-add to the rows ``sis[sub-tile]`` of each slab the columns cross (indirect DMA
+    read-modify-write, padding rows out of bounds and skipped), or (``sis`` None) the rows t0...
+    of ``y32`` (then the bf16 output) finished as ``bf16(rows + sum(a[rows] for a in accs))``
+    (``dma_compute``: fp32 in the DMA engines, then the cast; ``accs`` each core's slabs).
+    ``tcols``: one per-token scale column ``[ts, 1]`` per sub-tile, applied on the PSUM
+    eviction."""
     c0 = sum(before)
     ncols = sum(widths)
     for n, s0 in enumerate(range(0, tb, P)):
@@ -1642,14 +1702,18 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None, accs=
             col += gw
         if sis is None:    # the shared expert's rows finish y: its rows plus the accumulators'
             r = slice(t0 + s0, t0 + s0 + ts)
-            nisa.dma_compute(dst=y32[r, c0:c0 + ncols],
-                             srcs=[a[r, c0:c0 + ncols] for a in accs] + [y_sb], reduce_op=nl.add)
-        else:
+            for g, a, w, c in _Accumulators.pieces(accs[0], c0, ncols):
+                nisa.dma_compute(dst=y32[r, c0 + c:c0 + c + w],
+                                 srcs=[cs[g][r, a:a + w] for cs in accs] + [y_sb[:, c:c + w]],
+                                 reduce_op=nl.add)
+            continue
+        for g, a, w, c in _Accumulators.pieces(y32, c0, ncols):
             # offset None: the view's own (an .ap offset addresses the allocation, and at LNC 2
-            # y32 is this core's slice of the cores' accumulators)
-            dst = y32[:, c0:c0 + ncols].ap([[H, ts], [1, ncols]], vector_offset=sis[n],
-                                           indirect_dim=0)
-            nisa.dma_compute(dst=dst, srcs=[dst, y_sb], reduce_op=nl.add,
+            # the slab is this core's slice of the cores' accumulators)
+            slab = y32.mine[g]
+            dst = slab[:, a:a + w].ap([[slab.shape[1], ts], [1, w]], vector_offset=sis[n],
+                                      indirect_dim=0)
+            nisa.dma_compute(dst=dst, srcs=[dst, y_sb[:, c:c + w]], reduce_op=nl.add,
                              oob_mode=nisa.oob_mode.skip)
 
 
