@@ -1271,8 +1271,6 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
     if programs > 1:                   # both cores' scatter-adds are done before either reads
         for t in y32.all:
             nisa.core_barrier(t, tuple(range(programs)))
-    accs = y32.cores()
-
     if sh_gu is None:                  # y = bf16(sum of the accumulators), 128 rows at a time
         for i, r0 in enumerate(range(0, T, P)):
             rn = min(P, T - r0)
@@ -1281,7 +1279,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
                 if programs == 1:      # the DMA casts
                     nisa.dma_copy(dst=y[r, a:b], src=y32.mine[g][r, :])
                 elif i % programs == pid:  # LNC 2: fp32 add in the DMA engines, then the cast
-                    nisa.dma_compute(dst=y[r, a:b], srcs=[c[g][r, :] for c in accs],
+                    nisa.dma_compute(dst=y[r, a:b], srcs=[c[g][r, :] for c in y32.cores()],
                                      reduce_op=nl.add)
         return y
 
@@ -1302,7 +1300,7 @@ def fused_moe_prefill_kernel(x, w_gu, w_d, be_a, n_a, gi_a, si_a, bw_a, be_b, n_
 
         def put(acc, j0, widths, B, t0=t0, tbs=tbs, cols=cols):
             yT, tc = _evicted_rows(acc, j0, widths, tbs, q, B, ident_f, cols)
-            _store_rows(y, ident_f, yT, t0, tbs, d_widths[:j0], widths, None, tc, accs)
+            _store_rows(y, ident_f, yT, t0, tbs, d_widths[:j0], widths, None, tc, y32)
 
         if mx is not None:
             xq, xs = _x_mx(rows, tbs, H, ident, mx)
@@ -1345,17 +1343,14 @@ class _Accumulators:
             return [self.mine]
         return [[t[c] for t in self.all] for c in range(self.programs)]
 
-    @staticmethod
-    def pieces(slabs, c0, n):
+    def pieces(self, c0, n):
         """Columns ``[c0, c0 + n)`` of y32 by slab: ``(slab, its first column, width, column
-        from c0)`` (``slabs``: one core's list, or an ``_Accumulators``)."""
-        out, a = [], 0
-        for g, t in enumerate(slabs.mine if isinstance(slabs, _Accumulators) else slabs):
-            b = a + t.shape[1]
+        from c0)``."""
+        out = []
+        for g, (a, b) in enumerate(self.bounds):
             lo, hi = max(a, c0), min(b, c0 + n)
             if lo < hi:
                 out.append((g, lo - a, hi - lo, lo - c0))
-            a = b
         return out
 
 
@@ -1676,8 +1671,8 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None, accs=
     columns ``[sum(before), + sum(widths))``: fp32 PE transposes (4 feature tiles per PSUM bank),
     then a scatter-add to the rows ``sis[sub-tile]`` of each slab the columns cross (indirect DMA
     read-modify-write, padding rows out of bounds and skipped), or (``sis`` None) the rows t0...
-    of ``y32`` (then the bf16 output) finished as ``bf16(rows + sum(a[rows] for a in accs))``
-    (``dma_compute``: fp32 in the DMA engines, then the cast; ``accs`` each core's slabs).
+    of ``y32`` (then the bf16 output) finished as ``bf16(rows + every core's accumulator rows)``
+    (``dma_compute``: fp32 in the DMA engines, then the cast; ``accs`` the ``_Accumulators``).
     ``tcols``: one per-token scale column ``[ts, 1]`` per sub-tile, applied on the PSUM
     eviction."""
     c0 = sum(before)
@@ -1702,12 +1697,12 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None, accs=
             col += gw
         if sis is None:    # the shared expert's rows finish y: its rows plus the accumulators'
             r = slice(t0 + s0, t0 + s0 + ts)
-            for g, a, w, c in _Accumulators.pieces(accs[0], c0, ncols):
+            for g, a, w, c in accs.pieces(c0, ncols):
                 nisa.dma_compute(dst=y32[r, c0 + c:c0 + c + w],
-                                 srcs=[cs[g][r, a:a + w] for cs in accs] + [y_sb[:, c:c + w]],
-                                 reduce_op=nl.add)
+                                 srcs=[cs[g][r, a:a + w] for cs in accs.cores()]
+                                 + [y_sb[:, c:c + w]], reduce_op=nl.add)
             continue
-        for g, a, w, c in _Accumulators.pieces(y32, c0, ncols):
+        for g, a, w, c in y32.pieces(c0, ncols):
             # offset None: the view's own (an .ap offset addresses the allocation, and at LNC 2
             # the slab is this core's slice of the cores' accumulators)
             slab = y32.mine[g]
