@@ -280,9 +280,8 @@ class OnChipAllocator:
                 best = o
         if best is None:
             return False
-        w = _where(st.site)
         best.retired = (f"its space went to {st.name or 'a later tile'!r}"
-                        f"{' allocated' + w if w else ''}, which did not fit beside the live "
+                        f"{_allocated_at(st.site)}, which did not fit beside the live "
                         f"{self.region.name} tiles ({detail}); unused since, it "
                         f"was taken for dead (the compiler frees a tile after its last use). Keep "
                         f"fewer tiles live at once")
@@ -400,6 +399,12 @@ def _where(site):
         if start <= lasti < end and line is not None:
             return f" at {os.path.basename(code.co_filename)}:{line}"
     return ""
+
+
+def _allocated_at(site):
+    """' allocated at kernel.py:42' for a tile allocated at ``site``; '' when unknown."""
+    w = _where(site)
+    return " allocated" + w if w else ""
 
 
 def _call_site():

@@ -514,9 +514,8 @@ class NkiTensor:
         if self.storage.pending is not None:   # first use of an SBUF tensor: it takes its space now
             self.storage.pending.place(self.storage)
         if self.storage.retired:
-            w = rt._where(self.storage.site)
             raise NkiValidationError(
-                f"{self.name or 'a tile'!r} ({self.buffer.name}){' allocated' + w if w else ''} "
+                f"{self.name or 'a tile'!r} ({self.buffer.name}){rt._allocated_at(self.storage.site)} "
                 f"is used after its space was reused: {self.storage.retired}")
         self.storage.last_use = next(rt._uses)
         raw = self.storage.raw
