@@ -555,6 +555,38 @@ def test_mx_unchosen_experts_are_not_read(rng, regime):
         assert seen == {3, 7, 12}
 
 
+def test_mx_decode_scale_loads_take_the_software_dge(rng):
+    """MX decode: an expert's scale loads are ready only once the previous expert's matmuls
+    have read the tile (one traced loop body), and on the weights' static-descriptor ring they
+    would then wait, FIFO, behind the weight transfers already queued there and hold the
+    expert's first matmuls. The loop's scale loads take GpSimd's software-DGE ring (idle in
+    decode); the weight data stays on the static ring, and so do the shared expert's scales
+    (loaded before the loop) and prefill's (whose software-DGE ring carries the gathers)."""
+    x, g, d, w, ids, kw = _mx_case(rng, 4, 256, 384, 8, 2, shared_I=256)
+
+    def hbm_loads(regime):
+        """{(kind, HBM allocation): [dge of each load]}, allocations in first-load order."""
+        with target("trn3"), trace() as t:
+            fused_moe(x, g, d, w, ids, regime=regime, **kw)
+        out = {}
+        for ins in t:
+            src = [op for op in ins.reads if op.buffer.endswith("hbm")]
+            if ins.engine == "dma" and len(src) == 1 and src[0].dtype in ("uint8", "uint32"):
+                kind = "scale" if src[0].dtype == "uint8" else "data"
+                out.setdefault((kind, src[0].alloc), []).append(ins.attrs.get("dge"))
+        return out
+
+    dec = hbm_loads("decode")
+    scales = [v for (kind, _), v in dec.items() if kind == "scale"]
+    assert len(scales) == 4, dec.keys()        # shared gate|up and down, then the routed two
+    assert all("swdge" not in v for v in scales[:2])
+    assert all(set(v) == {"swdge"} for v in scales[2:])
+    assert all("swdge" not in v for (kind, _), v in dec.items() if kind == "data")
+    pre = hbm_loads("prefill")
+    assert len([k for k in pre if k[0] == "scale"]) == 4
+    assert all("swdge" not in v for (kind, _), v in pre.items() if kind == "scale")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("regime,T", [("decode", 8), ("prefill", 300)])
 def test_mx_model_widths(rng, regime, T):

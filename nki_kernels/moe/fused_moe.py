@@ -807,7 +807,7 @@ def _mx_views(w_gu, s_gu, w_d, s_d, e):
 _SHUFFLE_SCALES = [16 + i if (i // 4) % 2 else 255 for i in range(16)] + [255] * 16
 
 
-def _mx_scales(s, shape):
+def _mx_scales(s, shape, dge=None):
     """All the E8M0 scales of one MX weight (image ``s [64, n]`` in HBM) -> SBUF
     ``[128, *shape]`` (image row 16Q + r at partition 32Q + r; ``shape`` covers n bytes), ahead
     of the data, one run per image row (a run per weight group would be shorter than a DMA
@@ -818,14 +818,20 @@ def _mx_scales(s, shape):
     of the weight stream. Rows 4..7 and 12..15 of each quadrant therefore land 16 partitions
     lower (partitions 20..23, 28..31: queues 4Q+2, 4Q+3) in a staging tile, and one
     ``nc_stream_shuffle`` (VectorE, within each quadrant) moves them up: every queue carries a
-    quarter of the quadrant's scale rows."""
+    quarter of the quadrant's scale rows.
+
+    ``dge``: None (static descriptors, the weight stream's ring) or a ``nisa.dge_mode`` for these
+    loads alone. Decode passes ``swdge``: the GpSimd ring is idle there, and on the weights'
+    ring an expert's scale loads (ready only once the previous expert's matmuls have read the
+    tile) wait behind the weight transfers already queued, FIFO, and hold its first matmuls."""
+    kw = {} if dge is None else dict(dge_mode=dge)
     ws = nl.ndarray((P, *shape), dtype=nl.uint8, buffer=nl.sbuf)               # [128, *shape]
     st = nl.ndarray((P, *shape), dtype=nl.uint8, buffer=nl.sbuf)               # [128, *shape]
     for Q in range(4):
         for r in range(0, 16, 4):
             p = 32 * Q + r + (16 if (r // 4) % 2 else 0)
             nisa.dma_copy(dst=(st if (r // 4) % 2 else ws)[p:p + 4],
-                          src=s[16 * Q + r:16 * Q + r + 4, :])
+                          src=s[16 * Q + r:16 * Q + r + 4, :], **kw)
     nisa.nc_stream_shuffle(dst=ws, src=st, shuffle_mask=_SHUFFLE_SCALES)
     return ws
 
@@ -920,17 +926,19 @@ def _slot_row(a, k, j):
     return a[k:a.shape[0], :][nl.ds(j, 1), :]
 
 
-def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink):
+def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink,
+                    scale_dge=None):
     """One expert in MXFP8 (Trn3) on the token columns of ``xq``/``xs`` (:func:`_x_mx`):
     :func:`_mx_gate_up` -> :func:`_mx_quantize_h` -> :func:`_mx_down`, each down pass handed to
-    ``sink(acc [128, nf, Tp] PSUM, j0, widths, None)``."""
+    ``sink(acc [128, nf, Tp] PSUM, j0, widths, None)``. ``scale_dge``: :func:`_mx_scales`."""
     KC = len(down_chunks(I))
     ds = []
     # DMA queues are FIFO with a few transfers in flight: the scale loads (short) go between
     # weight transfers (long), not in a row ahead of an expert's first weight bytes, where the
     # next transfer's setup latency would show (~0.8 us per expert, modeled)
     hT = _mx_gate_up(xq, xs, tb, H, I, w_gu, s_gu, wrow, plan, x4,
-                     lambda: ds.append(_mx_scales(s_d, (cdiv(KC, 4), H))))      # [128, SL, H]
+                     lambda: ds.append(_mx_scales(s_d, (cdiv(KC, 4), H), scale_dge)),
+                     scale_dge)                                                  # ds [128, SL, H]
     hq = nl.ndarray((P, KC, tb), dtype=x4, buffer=nl.sbuf)                      # [128, KC, tb]
     hs = nl.ndarray((P, cdiv(KC, 4), tb), dtype=nl.uint8, buffer=nl.sbuf)       # [128, SL, tb]
     _mx_quantize_h(hT, I, hq, hs)
@@ -938,12 +946,13 @@ def _expert_step_mx(xq, xs, tb, H, I, w_gu, s_gu, w_d, s_d, wrow, plan, x4, sink
     _mx_down(w_d, ds[0], I, H, tb, plan, hq, hs, x4, sink)
 
 
-def _mx_gate_up(xq, xs, tb, H, I, w_gu, s_gu, wrow, plan, x4, after_first=None):
+def _mx_gate_up(xq, xs, tb, H, I, w_gu, s_gu, wrow, plan, x4, after_first=None,
+                scale_dge=None):
     """MXFP8 gate/up ``nc_matmul_mx`` passes (weight tiles stationary) over the output units of
     :func:`_gu_units` -> ``hT = wrow * silu(g) * u`` bf16 ``[128, 4KC, tb]`` (unit 4c + q = lane
     q of down chunk c; ``wrow [128, tb]`` or None). The gate/up scales load after the first
     weight tile, and ``after_first`` runs once the first pass's GEMMs are issued (a caller's
-    short loads then go between weight transfers)."""
+    short loads then go between weight transfers). ``scale_dge``: :func:`_mx_scales`."""
     KTh = cdiv(H, CHUNK)
     KC = len(down_chunks(I))
     Tp = D.acc_free(tb)
@@ -961,7 +970,7 @@ def _mx_gate_up(xq, xs, tb, H, I, w_gu, s_gu, wrow, plan, x4, after_first=None):
             t0 = units[i0][0] // P
             t1 = cdiv(units[i1 - 1][0] + units[i1 - 1][1], P)
             first = _gu_tiles(w_gu, t0, min(t0 + plan.kb_gu, t1), H, x4)
-            gs = _mx_scales(s_gu, (2 * I // P, cdiv(KTh, 4), P))                 # [128, 2I/128, SL, 128]
+            gs = _mx_scales(s_gu, (2 * I // P, cdiv(KTh, 4), P), scale_dge)      # [128, 2I/128, SL, 128]
             _gu_pass(w_gu, gs, 0, units[i0:i1], H, plan.kb_gu, xq, xs, acc_g, x4, first)
         else:
             _gu_pass(w_gu, gs, 0, units[i0:i1], H, plan.kb_gu, xq, xs, acc_g, x4)
@@ -1124,7 +1133,7 @@ def fused_moe_decode_kernel(x, w_gu, w_d, experts, n_active, comb, s_gu, s_d, sh
             nisa.dma_copy(dst=row, src=comb[nl.ds(s, 1), :])
         wrow = _row_broadcast(row, T, ones)                                     # [128, T]
         _expert_step_mx(xq, xs, T, H, I, *_mx_views(w_gu, s_gu, w_d, s_d, e), wrow, plan, mx,
-                        sink)
+                        sink, scale_dge=nisa.dge_mode.swdge)
 
     n_reg = nisa.register_alloc()
     nisa.register_load(dst=n_reg, src=n_sb[0:1, 0:1])
