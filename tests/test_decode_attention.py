@@ -145,6 +145,36 @@ def test_drafts_window_smaller_than_drafts(tgt, rng):
     _run(q, k, v, lens, 64, window=5)
 
 
+def test_last_sequence_stored_by_draft(rng):
+    """With s_q > 1 drafts a per-KV-head store of o spans rows of out[b] ([s_q, H_q, d]) that
+    every other head's store spans too, and such DMAs are ordered one after another. The
+    program's last sequence (nothing after it to hide them) is stored one DMA per draft and row
+    group instead, each a contiguous block of out that no other store of it overlaps; earlier
+    sequences keep one DMA per head. The values are checked by the other drafts tests."""
+    from nki_kernels.emulator.runtime import target
+    from nki_kernels.emulator.trace import trace
+    B, s_q, Hq, Hkv, d = 3, 4, 8, 2, 64
+    lens = [300, 520, 410]
+    q, k, v = _inputs(rng, B, s_q, Hq, Hkv, d, lens)
+    with target("trn3"), trace() as t:
+        o = decode_attention(q, k, v, np.array(lens, np.int32))
+    ref = decode_attention_ref(q, k, v, lens, p_dtype="bfloat16")
+    exact = decode_attention_ref(q, k, v, lens, compute_dtype=np.float64)
+    assert_attention_close(o, ref, exact)
+    rows = Hq * s_q                        # rows of out per sequence ([B * s_q * H_q, d] rows)
+    stores = {}
+    for ins in t:
+        w = ins.writes[0] if ins.writes else None
+        if ins.engine == "dma" and w is not None and w.buffer.endswith("hbm") and w.shape[-1] == d:
+            stores.setdefault(w.partitions[0] // rows, []).append(w.partitions)
+    by_draft = [b for b, v in stores.items() if len(v) == s_q]
+    assert len(by_draft) == 1 and len(stores) == B             # one row group: 2 KV heads
+    spans = sorted(stores.pop(by_draft[0]))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))      # disjoint row ranges
+    for v in stores.values():                                      # the others: per head,
+        assert len(v) == Hkv and v[0][0] < v[1][1] and v[1][0] < v[0][1]   # overlapping
+
+
 def test_softcap_sinks_drafts(tgt, rng):
     lens = [4, 500]
     q, k, v = _inputs(rng, 2, 4, 8, 2, 128, lens, q_scale=3.0)

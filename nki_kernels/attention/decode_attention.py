@@ -313,6 +313,7 @@ class _Run:
         nisa.dma_copy(dst=self.rt_all, src=rowtab)                      # [128, B, groups, 5]
         self.split = list(split)
         self.ident = ident
+        self.ident_o = None              # identity in the output dtype (_store_by_draft)
         self.cfg = cfg
         self.lay = cfg.layout
         self.DT = -(-cfg.d // P)
@@ -445,7 +446,7 @@ class _Run:
                     # packed items fold their slots here too: by TensorE transposes, nothing
                     # queues behind the prefetched KV (the SBUF-to-SBUF DMAs they took before
                     # had to wait for the program's last loads)
-                    self.finish(done.it, groups.pop(ii))
+                    self.finish(done.it, groups.pop(ii), last=ii == len(mine) - 1)
 
     # -- per item ---------------------------------------------------------------------------------
     def start(self, it):
@@ -535,7 +536,7 @@ class _Run:
         nisa.tensor_copy(dst=qT[:, :, 0:width], src=tq[:, :, 0:width], engine=nisa.engine.vector)
         grp.qT = qT
 
-    def finish(self, it, groups):
+    def finish(self, it, groups, last=False):
         cfg = self.cfg
         for grp in groups:
             if grp.psm is not None:      # the packed slots' states into the row state
@@ -562,9 +563,11 @@ class _Run:
                 self.pending = getattr(self, "pending", {})
                 self.pending[(it.b, grp.g)] = grp
                 continue
-            self.store(it.b, grp)
+            self.store(it.b, grp, last)
 
-    def store(self, b, grp):
+    def store(self, b, grp, last=False):
+        """``o`` (and lse) of sequence ``b``'s rows of a row group to HBM. ``last``: nothing of
+        this program follows (its last item, or the merges after the barrier)."""
         cfg = self.cfg
         sm = grp.sm
         if cfg.has_vscale:
@@ -575,13 +578,51 @@ class _Run:
         if cfg.return_lse:
             l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         sm.finalize(o_sb, l_sb)
+        # the program's last stores with s_q > 1 in draft order (one DMA per draft, not per head);
+        # earlier items keep the per-head DMAs: their transposes would wait in TensorE's
+        # in-order queue for this item's last PV and hold the next item's K^T (s_q = 4 B=8
+        # Trn3, modeled: 151.2 us either way when every item took this path)
+        by_draft = last and cfg.s_q > 1 and cfg.d <= P
+        if by_draft:
+            self._store_by_draft(b, grp, o_sb)
         for s, h in enumerate(grp.heads):
             r0 = s * cfg.W + cfg.row_off(b)
-            dst = cfg.rows_of(self.out, b)[:, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))
-            nisa.dma_copy(dst=dst, src=o_sb[r0:r0 + cfg.rows, :])
+            if not by_draft:
+                dst = cfg.rows_of(self.out, b)[:, h * cfg.G:(h + 1) * cfg.G, :].permute((1, 0, 2))
+                nisa.dma_copy(dst=dst, src=o_sb[r0:r0 + cfg.rows, :])
             if l_sb is not None:
                 dl = cfg.rows_of(self.lse, b)[:, h * cfg.G:(h + 1) * cfg.G].permute((1, 0))
                 nisa.dma_copy(dst=dl, src=l_sb[r0:r0 + cfg.rows, :])
+
+    def _store_by_draft(self, b, grp, o_sb):
+        """``o`` of a row group with s_q > 1 drafts, one DMA per draft. A slot's rows are
+        (q-head g of its KV head, draft t), so one head's rows of ``out[b]`` ``[s_q, H_q, d]``
+        interleave with the other heads' and every per-head DMA spans rows the others span too:
+        the model orders such DMAs one after another by their row ranges (the 8 stores of the
+        last Llama-3-8B B=8 s_q=4 sequence ran 1.7 us each, one after another, at the end of the
+        kernel; whether the compiler also orders them is not documented). Here o is PE-transposed
+        to ``[d, rows]``, its columns are copied into (draft, head, g) order on the way out of
+        PSUM, and a second transpose brings the rows back: draft t of the group's heads is then
+        one contiguous block of partitions and one contiguous block of ``out[b]``."""
+        cfg = self.cfg
+        n, G, sq, d = len(grp.heads), cfg.G, cfg.s_q, cfg.d
+        R, m = o_sb.shape[0], sq * n * G
+        if self.ident_o is None:
+            self.ident_o = nl.shared_identity_matrix(P, dtype=o_sb.dtype)
+        tp = nl.ndarray((d, R), dtype=o_sb.dtype, buffer=nl.psum)                  # [d, rows]
+        nisa.nc_matmul(dst=tp, stationary=o_sb, moving=self.ident_o[0:R, 0:R], is_transpose=True)
+        oT = nl.ndarray((d, sq, n, G), dtype=o_sb.dtype, buffer=nl.sbuf)          # [d, t, s, g]
+        nisa.tensor_copy(dst=oT, src=tp.ap([[R, d], [1, sq], [cfg.W, n], [sq, G]],
+                                           offset=cfg.row_off(b)))
+        tp2 = nl.ndarray((m, d), dtype=o_sb.dtype, buffer=nl.psum)                 # [(t, s, g), d]
+        nisa.nc_matmul(dst=tp2, stationary=oT.reshape((d, m)), moving=self.ident_o[0:d, 0:d],
+                       is_transpose=True)
+        o2 = nl.ndarray((m, d), dtype=o_sb.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=o2, src=tp2)
+        h0 = grp.heads[0]
+        for t in range(sq):
+            nisa.dma_copy(dst=cfg.rows_of(self.out, b)[t, h0 * G:(h0 + n) * G, :],
+                          src=o2[t * n * G:(t + 1) * n * G, :])
 
     def merge_owned(self, owned):
         """Merge the parts of each split sequence whose part 0 this program ran."""
@@ -598,7 +639,7 @@ class _Run:
                     nisa.dma_copy(dst=st, src=self.parts[k, g, 0:grp.rows, :])
                     merge_states_sb(sm, st[:, 0:cfg.d], st[:, cfg.d:cfg.d + 1],
                                     st[:, cfg.d + 1:cfg.d + 2])
-                self.store(it.b, grp)
+                self.store(it.b, grp, last=True)
 
     # -- per tile and row group: three pipeline stages ----------------------------------------
     def stage_kT(self, job):
