@@ -313,7 +313,6 @@ class _Run:
         nisa.dma_copy(dst=self.rt_all, src=rowtab)                      # [128, B, groups, 5]
         self.split = list(split)
         self.ident = ident
-        self.ident_o = None              # identity in the output dtype (_store_by_draft)
         self.cfg = cfg
         self.lay = cfg.layout
         self.DT = -(-cfg.d // P)
@@ -607,15 +606,14 @@ class _Run:
         cfg = self.cfg
         n, G, sq, d = len(grp.heads), cfg.G, cfg.s_q, cfg.d
         R, m = o_sb.shape[0], sq * n * G
-        if self.ident_o is None:
-            self.ident_o = nl.shared_identity_matrix(P, dtype=o_sb.dtype)
+        ident = nl.shared_identity_matrix(P, dtype=o_sb.dtype)     # one per dtype and kernel
         tp = nl.ndarray((d, R), dtype=o_sb.dtype, buffer=nl.psum)                  # [d, rows]
-        nisa.nc_matmul(dst=tp, stationary=o_sb, moving=self.ident_o[0:R, 0:R], is_transpose=True)
+        nisa.nc_matmul(dst=tp, stationary=o_sb, moving=ident[0:R, 0:R], is_transpose=True)
         oT = nl.ndarray((d, sq, n, G), dtype=o_sb.dtype, buffer=nl.sbuf)          # [d, t, s, g]
         nisa.tensor_copy(dst=oT, src=tp.ap([[R, d], [1, sq], [cfg.W, n], [sq, G]],
                                            offset=cfg.row_off(b)))
         tp2 = nl.ndarray((m, d), dtype=o_sb.dtype, buffer=nl.psum)                 # [(t, s, g), d]
-        nisa.nc_matmul(dst=tp2, stationary=oT.reshape((d, m)), moving=self.ident_o[0:d, 0:d],
+        nisa.nc_matmul(dst=tp2, stationary=oT.reshape((d, m)), moving=ident[0:d, 0:d],
                        is_transpose=True)
         o2 = nl.ndarray((m, d), dtype=o_sb.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=o2, src=tp2)
