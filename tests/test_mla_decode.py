@@ -170,6 +170,39 @@ def test_mla_decode_layouts(tgt, B, s_q, H, lens, bs):
             assert np.all(o[b].astype(np.float32) == 0) and np.all(np.isneginf(lse[b]))
 
 
+def test_program_ends_with_a_split_division(tgt):
+    """The program's last tile (row layout, not split): lse and its store go ahead of the o
+    update, the update adds the PSUM block to ``o alpha`` (prescaled on ScalarE), and the
+    division by l is split by columns over VectorE and ScalarE into the one tile the kernel's
+    last store reads. Earlier items keep the update and ``finalize`` on VectorE. The values are
+    checked here and by every other test."""
+    from nki_kernels.emulator.trace import trace
+    rng = np.random.default_rng(11)
+    lens = [900, 1500]
+    qn, qr, kv, table = _inputs(rng, 2, 1, 128, lens, 64)
+    with trace() as t:
+        _check(qn, qr, kv, lens, table, what=f"mla_decode {tgt}")
+    ins = list(t)
+    stores = [i for i in ins if i.engine == "dma" and i.writes
+              and i.writes[0].buffer.endswith("hbm") and i.writes[0].shape[-1] == 512]
+    assert len(stores) == 2                                 # one per sequence
+    src = stores[-1].reads[0].alloc
+    writers = [(i.engine, i.opcode, i.writes[0].extent) for i in ins
+               if i.writes and i.writes[0].alloc == src]
+    assert sorted(w[:2] for w in writers) == [("scalar", "activation"),
+                                              ("vector", "tensor_scalar")]
+    (a0, a1), (b0, b1) = sorted(w[2] for w in writers)
+    assert a1 <= b0                                         # disjoint column halves
+    first = [(i.engine, i.opcode) for i in ins
+             if i.writes and i.writes[0].alloc == stores[0].reads[0].alloc]
+    assert first == [("vector", "tensor_scalar")]           # earlier items: VectorE only
+    last = ins.index(stores[-1])
+    lse_store = [k for k, i in enumerate(ins) if i.engine == "dma" and i.writes
+                 and i.writes[0].buffer.endswith("hbm") and i.writes[0].shape[-1] == 1]
+    assert any(i.engine == "vector" and i.opcode == "tensor_tensor"   # the update, after
+               for i in ins[lse_store[-1]:last])                         # lse's store
+
+
 def test_slot_plan():
     assert slots(16, 8) == (32, 4)
     assert slots(32, 8) == (32, 4)

@@ -210,6 +210,7 @@ class _Group:
     def __init__(self, g, r0, rows, qT, rt, sm, psm=None):
         self.g, self.r0, self.rows, self.qT, self.rt, self.sm = g, r0, rows, qT, rt, sm
         self.psm = psm                     # the packed slots' state (nslot > 1)
+        self.stored = False                # out (and lse) written by stage_pv (store_last)
 
 
 class _Job:
@@ -264,6 +265,7 @@ class _Run:
             for k0 in range(it.k0, it.k1, lay.tile_keys):
                 tiles.append((ii, k0, min(lay.tile_keys, it.k1 - k0), k0 + lay.tile_keys >= it.k1))
         groups, tabs, loaded = {}, {}, {}
+        self.final = mine[-1] if mine else None
 
         def fetch(j):
             ii, k0, n, _ = tiles[j]
@@ -390,6 +392,8 @@ class _Run:
 
     def finish(self, it, groups):
         for grp in groups:
+            if grp.stored:
+                continue
             sm = grp.sm
             if grp.psm is not None:
                 fold_slots(grp.sm, grp.psm, self.cfg.nslot, self.cfg.W, grp.rows, self.sel)
@@ -404,23 +408,45 @@ class _Run:
                 nisa.dma_copy(dst=self.parts[k, grp.g, 0:grp.rows, :], src=st)
             elif it.n_parts > 1:
                 self.pending[(it.b, grp.g)] = grp        # merged after the barrier
+            elif it is self.final:
+                self.store_last(it, grp)
             else:
                 self.store(it.b, grp)
 
     def store(self, b, grp):
-        cfg, sm = self.cfg, grp.sm
-        if cfg.v_mul != 1.0:
-            nisa.tensor_scalar(dst=sm.o, data=sm.o, op0=nl.multiply, operand0=cfg.v_mul)
+        """``out = o / l`` (times v_mul in the same pass) and lse. The division goes first:
+        VectorE's in-order queue would otherwise wait for ScalarE's log behind the next tiles'
+        exponentials."""
+        cfg = self.cfg
         o_sb = nl.ndarray((grp.rows, D_LATENT), dtype=cfg.out_dtype, buffer=nl.sbuf)
         l_sb = None
         if cfg.return_lse:
             l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-        sm.finalize(o_sb, l_sb)
+        grp.sm.finalize(o_sb, l_sb, cfg.v_mul if cfg.v_mul != 1.0 else None)
         flat = self.out[b].reshape((cfg.rows, D_LATENT))
         nisa.dma_copy(dst=flat[grp.r0:grp.r0 + grp.rows, :], src=o_sb)
         if l_sb is not None:
             fl = self.lse[b].reshape((cfg.rows, 1))
             nisa.dma_copy(dst=fl[grp.r0:grp.r0 + grp.rows, :], src=l_sb)
+
+    def store_last(self, it, grp, O=None, alpha=None, o_a=None):
+        """The program's last item: lse and its store ahead of the o update (they need only m
+        and l), then ``out = (o alpha + O) / l`` (``finalize_last``: the update an add to
+        ScalarE's ``o alpha``; or, O None, o final already: packed slots folded), the division
+        split by columns over VectorE and ScalarE into one tile, one store."""
+        cfg = self.cfg
+        if cfg.return_lse:
+            l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+            grp.sm.lse(l_sb)
+            fl = self.lse[it.b].reshape((cfg.rows, 1))
+            nisa.dma_copy(dst=fl[grp.r0:grp.r0 + grp.rows, :], src=l_sb)
+        o_sb = nl.ndarray((grp.rows, D_LATENT), dtype=cfg.out_dtype, buffer=nl.sbuf)
+        h = D_LATENT // 2
+        outs = [(o_sb[:, 0:h], 0, h, "vector"), (o_sb[:, h:D_LATENT], h, D_LATENT, "scalar")]
+        grp.sm.finalize_last(O, alpha, outs, cfg.v_mul if cfg.v_mul != 1.0 else None, o_a)
+        flat = self.out[it.b].reshape((cfg.rows, D_LATENT))
+        nisa.dma_copy(dst=flat[grp.r0:grp.r0 + grp.rows, :], src=o_sb)
+        grp.stored = True
 
     def merge_owned(self, owned):
         for it in owned:
@@ -564,6 +590,12 @@ class _Run:
         already in SBUF), then o = alpha o + O."""
         T = self.lay.T
         rows, n = job.grp.rows, job.n
+        sm = job.grp.sm
+        # the program's last tile, its rows going straight to `out` (no split part, no packed
+        # slots): the kernel ends with its o update, division and store (store_last)
+        last = (job.it is self.final and job.k0 + n >= job.it.k1 and job.it.n_parts == 1
+                and job.grp.psm is None)
+        o_a = sm.prescale_o(job.alpha) if last else None
         O = nl.ndarray((P, D_LATENT), dtype=nl.float32, buffer=nl.psum)            # [rows, 512]
         first = True
         for t in range(T):
@@ -575,8 +607,11 @@ class _Run:
             first = False
             yield
         job.pT = None
-        job.grp.sm.flush_sum()          # the deferred l update (decode_attention's reason)
-        job.grp.sm.accumulate_o(O[0:rows, :], job.alpha, mode="stt", copy_engine="vector")
+        sm.flush_sum()                  # the deferred l update (decode_attention's reason)
+        if last:
+            self.store_last(job.it, job.grp, O[0:rows, :], job.alpha, o_a)
+        else:
+            sm.accumulate_o(O[0:rows, :], job.alpha, mode="stt", copy_engine="vector")
 
     # -- packed tiles (few rows: nslot PE column tiles side by side) -----------------------------
     def stage_softmax_packed(self, job):

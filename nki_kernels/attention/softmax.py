@@ -229,6 +229,52 @@ class SoftmaxState:
         """Apply the oldest deferred ``l`` update of :meth:`exp_block`."""
         self.update_sum(*self.pending_sums.pop(0))
 
+    def prescale_o(self, alpha):
+        """``o * alpha`` in SBUF on ScalarE, for :meth:`finalize_last`: issued before the last
+        block's PV lands (it needs only the earlier blocks' ``o`` and this block's alpha), it
+        leaves VectorE one add with the PSUM operand (N cycles; the update's
+        ``scalar_tensor_tensor`` is 2N). ``None`` while nothing is accumulated."""
+        if self.o is None:
+            return None
+        o_a = nl.ndarray((self.rows, self.o.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=o_a, op=nl.copy, data=self.o, scale=alpha)
+        return o_a
+
+    def finalize_last(self, o_psum, alpha, outs, out_scale=None, o_scaled=None):
+        """The last block's :meth:`accumulate_o` and :meth:`finalize`'s division
+        (``sum_in_o=False``): ``out = (o * alpha + o_psum) / l``, ``1 / l`` issued ahead of the
+        update (``l`` is final before the block's PV lands; so is :meth:`lse`, which a caller
+        issues first), the division by column parts, ``outs`` = ``[(out_sb, c0, c1, engine),
+        ...]`` (``"vector"`` or ``"scalar"``), so that parts can run on two engines.
+        ``o_scaled``: :meth:`prescale_o`'s ``o * alpha``, if taken; ``o_psum`` None: ``o`` is
+        final already (the division only)."""
+        den = self.denominator()
+        recip = nl.ndarray((self.rows, 1), dtype=nl.float32, buffer=nl.sbuf)           # [rows, 1]
+        nisa.reciprocal(dst=recip, data=den)
+        if out_scale is not None:
+            nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=float(out_scale))
+        if o_psum is None:
+            pass
+        elif o_scaled is not None:
+            nisa.tensor_tensor(dst=o_scaled, data1=o_scaled, data2=o_psum, op=nl.add)
+            self.o = o_scaled
+        else:
+            self.accumulate_o(o_psum, alpha, mode="stt", copy_engine="vector")
+        for out_sb, c0, c1, engine in outs:
+            if engine == "vector":
+                nisa.tensor_scalar(dst=out_sb, data=self.o[:, c0:c1], op0=nl.multiply,
+                                   operand0=recip)
+            else:
+                nisa.activation(dst=out_sb, op=nl.copy, data=self.o[:, c0:c1], scale=recip)
+
+    def lse(self, lse_sb, den=None):
+        """``lse = xmul * m + ln l`` (ScalarE log, VectorE fused multiply-add)."""
+        den = self.denominator() if den is None else den
+        lnl = nl.ndarray((self.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=lnl, op=nl.log, data=den)
+        nisa.scalar_tensor_tensor(dst=lse_sb, data=self.mp[:, 0:1], op0=nl.multiply,
+                                  operand0=self.xmul, op1=nl.add, operand1=lnl)
+
     def finalize(self, out_sb, lse_sb=None, out_scale=None):
         """``out = o / l`` (VectorE, cast to ``out_sb``'s dtype; times ``out_scale``, a float,
         when given: an FP8 V's dequantization scale) and ``lse = xmul * m + ln l`` (ScalarE
@@ -241,7 +287,4 @@ class SoftmaxState:
         nisa.tensor_scalar(dst=out_sb, data=self.o[:, 0:self.d], op0=nl.multiply, operand0=recip,
                            **extra)
         if lse_sb is not None:
-            lnl = nl.ndarray((self.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=lnl, op=nl.log, data=den)
-            nisa.scalar_tensor_tensor(dst=lse_sb, data=self.mp[:, 0:1], op0=nl.multiply,
-                                      operand0=self.xmul, op1=nl.add, operand1=lnl)
+            self.lse(lse_sb, den)
