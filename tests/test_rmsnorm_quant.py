@@ -119,7 +119,7 @@ def run(*args, **kw):
 @pytest.mark.parametrize("T,H", [(s.tokens, s.hidden) for s in FAST.rmsnorm] +
                          [(t, 256) for t in ODD_T] + [(130, 4608)], ids=str)
 def test_fp8_bit_exact(tgt, rng, T, H):
-    """T <= 128 runs the row layout, T > 128 the transposed one (H = 4608: 5 chunks of g, one
+    """T < 8 runs the row layout, T >= 8 the transposed one (H = 4608: 5 chunks of g, one
     evicted by VectorE on Trn3, and a ragged last chunk)."""
     x = adversarial(rng, T, H)
     g = rng.standard_normal(H).astype(BF16)
@@ -134,12 +134,13 @@ def test_fp8_bit_exact(tgt, rng, T, H):
         assert (q[0].astype(np.float32) == 0).all()
 
 
-@pytest.mark.parametrize("T,variant", [(7, "plain"), (128, "plain"), (100, "residual"),
-                                       (128, "fp32 gamma")], ids=str)
+@pytest.mark.parametrize("T,variant", [(7, "plain"), (100, "residual"), (128, "fp32 gamma")],
+                         ids=str)
 def test_fp8_single_tile_column_chunks(tgt, rng, T, variant):
-    """One tile of <= 128 rows runs in column chunks (loads, passes and stores overlapped): H =
-    4608 is four 1024-column chunks and a ragged 512, and three quantize chunks over the engines.
-    Bit-exact, NaN / inf / zero rows included, with a residual and an fp32 gamma."""
+    """One tile in the row layout (fewer than 8 rows, or a residual, or an fp32 gamma) runs in
+    column chunks (loads, passes and stores overlapped): H = 4608 is four 1024-column chunks and
+    a ragged 512, and three quantize chunks over the engines. Bit-exact, NaN / inf / zero rows
+    included, with a residual and an fp32 gamma."""
     H = 4608
     x = adversarial(rng, T, H)
     g = rng.standard_normal(H).astype(np.float32 if variant == "fp32 gamma" else BF16)
@@ -156,6 +157,36 @@ def test_fp8_single_tile_column_chunks(tgt, rng, T, variant):
     assert_scales_equal(s, sr)
     if variant != "residual":
         assert np.isnan(s[3:5]).all() and (q[0].astype(np.float32) == 0).all()
+
+
+@pytest.mark.parametrize("T", [8, 100, 128, 300])
+def test_fp8_transposed_layout_loads(tgt, rng, T):
+    """FP8 with a bf16 gamma and no residual takes the transposed layout from 8 tokens on, a lone
+    tile too: x.T by DMA transposes, no gamma broadcast. Nothing queues ahead of the x.T loads on
+    the DMA rings: the identities are built on-chip (iota), gamma's columns come by one small DMA
+    transpose issued first, and the scales leave as 512 B rows (TensorE transposes) by hardware
+    DGE. Bit-exact, NaN / inf / zero rows included; T = 100 and 300 end in a ragged tile."""
+    from nki_kernels.emulator.trace import trace
+    from nki_kernels.quant.rmsnorm_quant import plan_rmsnorm_quant
+    H = 1280
+    x = adversarial(rng, T, H)
+    g = rng.standard_normal(H).astype(BF16)
+    with trace() as tr:
+        q, s = run(x, g)
+    qr, sr = R.rmsnorm_quant_fp8_ref(x, g, dtype=default_fp8(tgt))
+    assert np.array_equal(canon_fp8(q), canon_fp8(qr))
+    assert_scales_equal(s, sr)
+    assert plan_rmsnorm_quant(T, H, "fp8", False, 2, 1 << 20).transposed
+    assert not plan_rmsnorm_quant(7, H, "fp8", False, 2, 1 << 20).transposed
+    loads = [ins for ins in tr if ins.engine == "dma" and ins.writes and ins.writes[0].on_chip
+             and any(not o.on_chip for o in ins.reads)]
+    assert [ins.opcode for ins in loads] == ["dma_transpose"] * len(loads)   # no dma_copy loads
+    assert loads[0].reads[0].shape == (H // 128, 128)                         # gamma's, first
+    scales = [ins for ins in tr if ins.engine == "dma" and ins.writes
+              and ins.writes[0].buffer.endswith("hbm") and ins.writes[0].dtype == "float32"]
+    assert scales and all(ins.attrs.get("dge") == "hwdge" for ins in scales)
+    src_rows = sum(ins.reads[0].partitions[1] - ins.reads[0].partitions[0] for ins in scales)
+    assert src_rows == -(-T // 128)                                   # one SBUF row per tile
 
 
 @pytest.mark.parametrize("fmt", ["float8_e4m3", "float8_e5m2", "float8_e4m3fn"])
@@ -295,6 +326,26 @@ def test_mx_lone_tile_in_order(rng, residual):
     assert_mx_equal(mx, ref[0], ref[1], H)
     if residual:
         assert np.array_equal(canon_bf16(out[1]), canon_bf16(ref[2]))
+
+
+def test_mx_lone_tile_engine_split(rng):
+    """A lone tile leaves engines idle that a next tile would use: VectorE sums every other
+    chunk's squares (ScalarE the rest), ScalarE makes one chunk of y1 = h * rstd in 4 and evicts
+    one in 2, and the data goes out by hardware DGE (its own DMA ring, apart from the scale
+    stores). Bit-exact, NaN / inf / zero rows included."""
+    from nki_kernels.emulator.trace import trace
+    T, H = 128, 4096
+    x = adversarial(rng, T, H)
+    g = rng.standard_normal(H).astype(BF16)
+    with target("trn3"), trace() as tr:
+        mx = run(x, g, quant="mx")
+    assert_mx_equal(mx, *R.rmsnorm_quant_mx_ref(x, g), H)
+    ops = [(ins.engine, ins.opcode, ins.attrs.get("op0") or ins.attrs.get("op")) for ins in tr]
+    assert ops.count(("vector", "tensor_scalar_reduce", "square")) == 2     # of 4 load chunks
+    assert sum(e == "scalar" and o == "activation" for e, o, _ in ops) == 2 + 2 + 4 * 4
+    stores = [ins for ins in tr if ins.engine == "dma" and ins.writes[0].buffer.endswith("hbm")]
+    data = [ins for ins in stores if ins.writes[0].dtype != "uint8"]
+    assert len(data) == 2 and all(ins.attrs.get("dge") == "hwdge" for ins in data)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])

@@ -8,15 +8,16 @@ and docs/low-precision.md.
 
 Every full pass over a 128 x H tile costs about as much engine time as the tile's HBM traffic,
 so the passes are spread over the engines (each keeps about one):
-  FP8, T > 128, no residual ("transposed"): x.T by DMA transpose; TensorE h * gamma and the sum
-    of squares (Gram diagonal); ScalarE (+ VectorE 1 in 4) evicts g with an abs-max; VectorE
-    (Trn2: GpSimd) scales and casts.
+  FP8, T >= 8, bf16 gamma, no residual ("transposed"): x.T by DMA transpose; TensorE h * gamma
+    and the sum of squares (Gram diagonal); ScalarE (+ VectorE 1 in 5) evicts g with an abs-max;
+    VectorE (Trn2: GpSimd) scales and casts.
   FP8 otherwise ("rows"): ScalarE sum of squares; GpSimd g = h * gamma; VectorE abs-max;
     VectorE (Trn2: GpSimd) scales and casts. A residual is added by the DMA engines (dma_compute).
-    A lone tile (T <= 128, dynamic scaling) runs in 1024-column chunks so loads, passes and stores
+    A lone tile (dynamic scaling) runs in 1024-column chunks so loads, passes and stores
     overlap, its scale-and-cast pass split over ScalarE, VectorE and (Trn2) GpSimd.
   MX (Trn3): ScalarE sum of squares; GpSimd y1 = h * rstd; TensorE transposes; VectorE evicts
-    times gamma (ScalarE 1 in 8) and runs quantize_mx.
+    times gamma (ScalarE 1 in 8) and runs quantize_mx. A lone tile spreads these over the
+    engines a next tile would have kept busy.
 """
 from __future__ import annotations
 
@@ -35,12 +36,22 @@ FIRST_DT_BLOCKS = 4           # the first tile's first DMA transpose: TensorE st
 G_BLOCKS = 8                  # 128-column blocks of g per PSUM tile (2 banks; x2 buffers + Gram)
 GRAM_COLS = 64                # tokens per diagonal Gram block (one PE column tile each)
 ACT_EVICT_EVERY = 8           # MX: ScalarE evicts one 512-column chunk in 8, VectorE the others
+LONE_ACT_EVERY = 2            # MX, a lone tile (ScalarE idle after the sum of squares): ScalarE
+LONE_Y1_ACT_EVERY = 4         # evicts one chunk in 2 and makes y1 = h * rstd for one chunk in 4
+                              # (GpSimd the others). Modeled, 128 x 7168 (us): 18.9 (8 / none),
+                              # 18.2 (2 / none), 17.7 (2 / 4); 3 / 3: 19.2, 4 / 4: 18.9
 DVE_EVICT_EVERY = 5           # FP8 transposed, Trn3: VectorE evicts one g chunk in 5, ScalarE the
                               # others. With the Gram's diagonal blocks only (GRAM_COLS), modeled
                               # Llama-3-8B / 70B T=2048, Gemma-3-27B T=512, 70B T=32768 (us):
                               # every 3: 69.9 / 114.9 / 28.2 / 1671; 4: 70.8 / 115.9 / 26.9 /
                               # 1672; 5: 67.4 / 113.1 / 27.6 / 1650; 6: 67.4 / 113.0 / 28.5 / 1650
 FP32_MIN = -3.4028234663852886e38
+TRANSPOSED_MIN_T = 8          # tokens from which FP8 (bf16 gamma, no residual) takes the transposed
+                              # layout. Modeled, rows -> transposed, T = 8 / 128 (us): H = 7168
+                              # Trn3 15.4 -> 13.1 / 13.7, Trn2 19.9 -> 17.5 / 17.6; H = 4096 Trn3
+                              # 11.1 -> 10.0 / 10.6, Trn2 14.1 -> 12.0 / 13.2. Below 8 rows the
+                              # rows layout's loads shrink with T: T = 1, H = 7168, Trn2 15.3 vs
+                              # 16.4 (T = 2..6 depends on H and the target; T = 7 transposed wins)
 ROW_CHUNK = 1024              # columns per chunk when one 128-row tile is all there is (pass 1)
 Q_CHUNK = 2048                # columns per quantize-and-store chunk (pass 2): 2 KiB fp8 rows
 
@@ -50,7 +61,7 @@ Q_CHUNK = 2048                # columns per quantize-and-store chunk (pass 2): 2
 class RMSQuantPlan:
     """Layout and buffering of one call (sizes: bytes per partition of SBUF).
 
-    transposed (FP8, no residual, bf16 gamma, T > 128): x arrives as x.T blocks
+    transposed (FP8, no residual, bf16 gamma, T >= 8): x arrives as x.T blocks
       [128 h, 16, tokens] by DMA transpose, so TensorE computes h * gamma (against diag(gamma))
       and the sum of squares (Gram diagonal) and the engines keep one pass each. Per tile: x.T
       (2H), g (2H), q (H); diag(gamma) blocks (2H) once.
@@ -88,8 +99,11 @@ class RMSQuantPlan:
 
 
 def plan_rmsnorm_quant(T, H, quant, residual, gamma_bytes, budget) -> RMSQuantPlan:
-    # transposed pays a one-off diag(gamma) build (H/128 GpSimd ops): only worth it past a tile
-    transposed = quant == "fp8" and not residual and gamma_bytes == 2 and T > P
+    # transposed from TRANSPOSED_MIN_T tokens, a lone tile too: from 8 rows on, the rows layout's
+    # loads (x and the gamma broadcast, as many bytes again) keep each DMA queue's 8 partitions
+    # full whatever T, while x.T moves 16-token blocks and needs no gamma broadcast; its one-off
+    # diag(gamma) build is H/128 VectorE ops of 64 cycles
+    transposed = quant == "fp8" and not residual and gamma_bytes == 2 and T >= TRANSPOSED_MIN_T
     for double in (True, False):
         p = RMSQuantPlan(T, H, quant, residual, gamma_bytes, transposed, double)
         if p.sbuf_bytes <= budget:
@@ -119,16 +133,22 @@ def _col_chunks(H, size):
 
 
 def _load_sum_squares_chunked(h_sb, sq_sb, x, residual, res_hbm, t0, tt):
-    """A lone tile's load and sum of squares in ROW_CHUNK-column chunks, so ScalarE sums each
-    chunk as it lands (per-chunk fp32 partial sums, added on VectorE); squares land in
-    ``sq_sb``. Returns ss [tt, 1] fp32."""
+    """A lone tile's load and sum of squares in ROW_CHUNK-column chunks, so ScalarE and VectorE
+    (idle until the back half) sum alternate chunks as they land (per-chunk fp32 partial sums,
+    added on VectorE; modeled, MX 128 x 7168: 20.6 -> 18.9 us); squares land in ``sq_sb``.
+    Returns ss [tt, 1] fp32."""
     bounds = _col_chunks(h_sb.shape[1], ROW_CHUNK)
     parts = nl.ndarray((tt, len(bounds)), dtype=nl.float32, buffer=nl.sbuf)
     for j, (c0, c1) in enumerate(bounds):
         _load_rows(h_sb, x, residual, res_hbm, t0, tt, c0, c1)
-        nisa.activation(dst=sq_sb[:, c0:c1], op=nl.square, data=h_sb[:, c0:c1],
-                        reduce_op=nl.add, reduce_res=parts[:, j:j + 1],
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        if j % 2:
+            nisa.tensor_scalar_reduce(dst=sq_sb[:, c0:c1], data=h_sb[:, c0:c1], op0=nl.square,
+                                      operand0=None, reduce_op=nl.add,
+                                      reduce_res=parts[:, j:j + 1])
+        else:
+            nisa.activation(dst=sq_sb[:, c0:c1], op=nl.square, data=h_sb[:, c0:c1],
+                            reduce_op=nl.add, reduce_res=parts[:, j:j + 1],
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
     ss = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=ss, data=parts, op=nl.add, axis=1)
     return ss
@@ -218,8 +238,8 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
 
     lone = not transposed and len(mine) == 1 and static_scale is None  # column chunks (below)
     if transposed:
-        dg = None                 # built after the first tile's loads are on the DMA rings
-        sel = nl.shared_identity_matrix(P, dtype=nl.uint8)                       # [128, 128]
+        dg = None                 # built by the first tile, its gamma load ahead of the x.T ones
+        ident, sel = _identities()                                  # [128, 128] bf16, uint8
     else:
         GP = min(P, T)                                    # partitions the tiles will use
         gam_sb = nl.ndarray((GP, H), dtype=gamma.dtype, buffer=nl.sbuf)           # [GP, H]
@@ -248,7 +268,8 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
                 xT = nl.ndarray((P, H // P, tt), dtype=x.dtype, buffer=nl.sbuf)   # [128, NB, tt]
             else:
                 xT = a_one.reshape((P, H // P, P))[:, :, 0:tt]
-            ss, m, dg = _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=li == 0)
+            ss, m, dg = _gamma_and_gram(x, xT, dg, (ident, sel), g_sb, t0, tt, gen, gamma,
+                                        first=li == 0)
         else:
             if double:
                 h_sb = nl.ndarray((tt, H), dtype=x.dtype, buffer=nl.sbuf)         # [tt, H]
@@ -294,9 +315,14 @@ def _rows_tile_chunked(x, gamma, residual, res_hbm, q_hbm, gam_sb, t0, tt, const
     ss_parts = nl.ndarray((tt, nc), dtype=nl.float32, buffer=nl.sbuf)
     m_parts = nl.ndarray((tt, nc), dtype=nl.float32, buffer=nl.sbuf)
     g_row = gamma.reshape((1, H))
+    # no residual: gamma by hardware DGE, on its own DMA ring (x and gamma on one ring left the
+    # queues idle between chunks: a ring holds 3 transfers a queue; modeled, T = 7, H = 7168,
+    # Trn3: 16.1 -> 14.6 us); with one, the two rings sharing the queues delay the first chunk
+    g_kw = {} if residual is not None else dict(dge_mode=nisa.dge_mode.hwdge,
+                                                engine=nisa.engine.sync)
     for j, (c0, c1) in enumerate(bounds):
         w = c1 - c0
-        nisa.dma_copy(dst=gam_sb[0:tt, c0:c1], src=g_row[:, c0:c1].broadcast(0, tt))
+        nisa.dma_copy(dst=gam_sb[0:tt, c0:c1], src=g_row[:, c0:c1].broadcast(0, tt), **g_kw)
         _load_rows(h_sb, x, residual, res_hbm, t0, tt, c0, c1)
         nisa.tensor_tensor(dst=g_sb[:, c0:c1], data1=h_sb[:, c0:c1], data2=gam_sb[0:tt, c0:c1],
                            op=nl.multiply, engine=nisa.engine.gpsimd)
@@ -310,7 +336,7 @@ def _rows_tile_chunked(x, gamma, residual, res_hbm, q_hbm, gam_sb, t0, tt, const
     nisa.tensor_reduce(dst=m, data=m_parts, op=nl.maximum, axis=1)
     rstd, z = _rstd(ss, consts)
     _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, None, gen, q_hbm[t0:t0 + tt, :],
-                   chunked=True)
+                   chunked=True, scale_first=True)
 
 
 def _quantize_store_chunks(g_sb, q_sb, k, q_dst, gen):
@@ -352,26 +378,38 @@ def _pass2_split(c0, c1, gen):
     return out
 
 
-def _gamma_diag(gamma, NB):
-    """dg [128, NB, 128] bf16 with dg[:, b, :] = diag(gamma[128b : 128b + 128]): gamma as NB rows of
-    128 (one DMA), one TensorE transpose to [128, NB], then GpSimd scales the identity per block
-    (in block order, so the first blocks are ready first)."""
-    g_rows = nl.ndarray((NB, P), dtype=gamma.dtype, buffer=nl.sbuf)              # [NB, 128]
-    nisa.dma_copy(dst=g_rows, src=gamma.reshape((NB, P)))
-    tp = nl.ndarray((P, NB), dtype=gamma.dtype, buffer=nl.psum)                  # [128, NB]
-    nisa.nc_matmul(dst=tp, stationary=g_rows, moving=nl.shared_identity_matrix(NB, gamma.dtype),
-                   is_transpose=True)
+def _identities():
+    """[128, 128] identities built on-chip, bf16 (diag(gamma)) and uint8 (the Gram's diagonal
+    predicate): GpSimd iota p - j, VectorE compares. Loaded by DMA (nl.shared_identity_matrix)
+    they took 2 of the 3 transfers a DMA ring holds per queue ahead of the first x.T transposes
+    (modeled: TensorE started at 4.2 us, 1.7 with the rest of the start-up below, on Trn3's
+    Gemma-3-27B T = 512)."""
+    idx = nl.ndarray((P, P), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.iota(dst=idx, pattern=[[-1, P]], offset=0, channel_multiplier=1)         # p - j
+    ident = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ident, data=idx, op0=nl.equal, operand0=0.0)
+    sel = nl.ndarray((P, P), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=sel, data=idx, op0=nl.equal, operand0=0.0)
+    return ident, sel
+
+
+def _gamma_diag(gamma, NB, ident):
+    """dg [128, NB, 128] bf16 with dg[:, b, :] = diag(gamma[128b : 128b + 128]): gamma's columns
+    [128, NB] by one DMA transpose (a few 16-element blocks per queue, issued before the x.T
+    ones: no DMA of gamma rows and an identity, no TensorE transpose), then VectorE scales the
+    identity per block in block order (64 cycles a block in 4x mode: ahead of TensorE, which
+    the 128 cycles a block on GpSimd held back through the first tile, modeled)."""
+    gTb = nl.ndarray((P, NB), dtype=gamma.dtype, buffer=nl.sbuf)                 # [128, NB]
+    nisa.dma_transpose(dst=gTb, src=gamma.reshape((NB, P)))
     gT = nl.ndarray((P, NB), dtype=nl.float32, buffer=nl.sbuf)                   # [128, NB]
-    nisa.tensor_copy(dst=gT, src=tp)
-    ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)
+    nisa.tensor_copy(dst=gT, src=gTb)
     dg = nl.ndarray((P, NB, P), dtype=nl.bfloat16, buffer=nl.sbuf)               # [128, NB, 128]
     for b in range(NB):
-        nisa.tensor_tensor(dst=dg[:, b, :], data1=ident, data2=gT[:, b:b + 1].broadcast(1, P),
-                           op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_scalar(dst=dg[:, b, :], data=ident, op0=nl.multiply, operand0=gT[:, b:b + 1])
     return dg
 
 
-def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
+def _gamma_and_gram(x, xT, dg, idents, g_sb, t0, tt, gen, gamma, first=False):
     """Transposed layout, one tile: x.T blocks by DMA transpose; TensorE g = x * gamma and the
     Gram matrix; the g chunks are evicted to bf16 with a running abs-max. Trn3: ScalarE evicts
     with its abs-max accumulator (activate2) and VectorE takes one chunk in DVE_EVICT_EVERY (copy,
@@ -379,19 +417,19 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
     it is evicted in the first tile, while later tiles leave it to the caller (m None).
     ``first`` (the kernel's first tile, nothing to overlap its load with): the first DMA
     transpose moves FIRST_DT_BLOCKS blocks, so TensorE starts sooner; ``dg`` None: built here
-    (from ``gamma``) right after the tile's first transpose, which then does not queue behind it.
+    (from ``gamma``), its small DMA transpose issued ahead of the tile's x.T ones.
     Returns (ss, m, dg) with m = max|g| (possibly signed, or floored) or None."""
     H = x.shape[1]
     NB = H // P
     cuts = list(range(0, NB, DT_BLOCKS))
     if first and NB > FIRST_DT_BLOCKS:
         cuts = sorted(set([0, FIRST_DT_BLOCKS] + cuts[1:]))
+    if dg is None:
+        dg = _gamma_diag(gamma, NB, idents[0])                          # [128, NB, 128]
     for b0, b1 in zip(cuts, cuts[1:] + [NB]):
         nb = b1 - b0
         src = x[t0:t0 + tt, b0 * P:(b0 + nb) * P].reshape_dim(1, (nb, P))      # [tt, nb, 128]
         nisa.dma_transpose(dst=xT[:, b0:b0 + nb, :], src=src)                  # [128, nb, tt]
-        if dg is None:        # after the first transpose, ahead of the tile's other ones
-            dg = _gamma_diag(gamma, NB)                                          # [128, NB, 128]
     # Trn3: the Gram matrix's diagonal blocks only, tokens [64 i, 64 i + 64) against themselves
     # in PE column tile i (the two matmuls run side by side: half the PE time of the full
     # [tt, tt], where TensorE binds); Trn2, where it does not, keeps one matmul (modeled: the
@@ -406,9 +444,15 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
     m_act = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf) if gen >= 4 else None
     m_dve = [nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in on_dve]
     # Trn2, first tile: VectorE's abs-max chunk by chunk as ScalarE evicts (the pipeline fills
-    # sooner); later tiles take it in one pass (fewer instructions on the busiest engine)
+    # sooner), as |g| (bf16 in and out: 4x mode) then a max into bf16 (exact: the max of bf16
+    # values; bf16 in and out: N/2 cycles), 3/4 of a tensor_scalar_reduce (N); later tiles take
+    # it in one pass (fewer instructions on the busiest engine, and no 4x-mode |g| pass waiting
+    # for GpSimd's scale-and-cast on their shared SBUF bus: modeled, Gemma-3-27B T = 512 36.9 ->
+    # 43.6 us with it)
     per_chunk = gen < 4 and first
-    m_parts = nl.ndarray((tt, len(chunks)), dtype=nl.float32, buffer=nl.sbuf) if per_chunk else None
+    m_parts = None
+    if per_chunk:
+        m_parts = nl.ndarray((tt, len(chunks)), dtype=nl.bfloat16, buffer=nl.sbuf)
     for c0 in chunks:
         gb = min(G_BLOCKS, NB - c0)
         g_ps = nl.ndarray((tt, gb * P), dtype=nl.float32, buffer=nl.psum)      # [tt, gb*128]
@@ -425,8 +469,8 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
             if per_chunk:
                 i = chunks.index(c0)
                 junk = nl.ndarray((tt, gb * P), dtype=nl.bfloat16, buffer=nl.sbuf)
-                nisa.tensor_scalar_reduce(dst=junk, data=cols, op0=nl.abs, operand0=0.0,
-                                          reduce_op=nl.maximum, reduce_res=m_parts[:, i:i + 1])
+                nisa.tensor_scalar(dst=junk, data=cols, op0=nl.abs, operand0=0.0)
+                nisa.tensor_reduce(dst=m_parts[:, i:i + 1], op=nl.maximum, data=junk, axis=1)
         elif c0 in on_dve:
             nisa.tensor_copy(dst=cols, src=g_ps, engine=nisa.engine.vector)
             junk = nl.ndarray((tt, gb * P), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -440,6 +484,7 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
             nisa.activate2(dst=cols, op=nl.copy, data=g_ps, imm0=0.0, imm1=0.0, op0=None,
                            op1=None, reduce_op=nl.abs_max, reduce_cmd=cmd,
                            reduce_res=m_act if last else None)
+    sel = idents[1]
     junk = nl.ndarray((tt, gc), dtype=nl.float32, buffer=nl.sbuf)
     ss = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
     for h0, h1 in halves:            # the diagonal: column p - h0 of row p
@@ -460,7 +505,7 @@ def _gamma_and_gram(x, xT, dg, sel, g_sb, t0, tt, gen, gamma, first=False):
 
 
 def _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, static_scale, gen, q_dst,
-                   chunked=False):
+                   chunked=False, scale_first=False):
     """q_sb = fp8(g * k) with the per-row k, stored into ``q_dst``, and the row scales into
     ``s_col``. ``chunked`` (dynamic scaling): the pass is split over the engines and stored in
     column chunks (_quantize_store_chunks), for a tile with nothing after it to overlap.
@@ -478,15 +523,22 @@ def _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, static_scale, gen, q_
                                       reduce_op=nl.maximum, reduce_res=m)
         # bf16 mc: rounding is monotonic, so bf16(max|g|) = max|bf16(g)| whether the abs-max
         # accumulator saw g before or after its cast to bf16 (spec silent on which).
-        _row_scale(m, rstd, z, k, s_col, fp8_max)
+        mc = _row_k(m, z, k, fp8_max)
+        if scale_first:
+            _scale_col(mc, rstd, s_col, fp8_max)
         if chunked:
             _quantize_store_chunks(g_sb, q_sb, k, q_dst, gen)
-            return
-        if gen >= 4:
+        elif gen >= 4:
             nisa.tensor_scalar(dst=q_sb, data=g_sb, op0=nl.multiply, operand0=k)
         else:
             nisa.tensor_tensor(dst=q_sb, data1=g_sb, data2=k.broadcast(1, H), op=nl.multiply,
                                engine=nisa.engine.gpsimd)
+        # the scale after the pass: VectorE's in-order stream does not wait there for rstd
+        # (GpSimd), which k does not need (modeled: 0.4 us a tile on Trn3)
+        if not scale_first:
+            _scale_col(mc, rstd, s_col, fp8_max)
+        if chunked:
+            return
     else:
         nisa.tensor_scalar(dst=k, data=rstd, op0=nl.multiply, operand0=1.0 / static_scale)
         nisa.memset(dst=s_col, value=float(static_scale))
@@ -497,9 +549,9 @@ def _quantize_rows(g_sb, q_sb, m, rstd, z, s_col, fp8_max, static_scale, gen, q_
     nisa.dma_copy(dst=q_dst, src=q_sb)
 
 
-def _row_scale(m, rstd, z, k, s_col, fp8_max):
+def _row_k(m, z, k, fp8_max):
     """Dynamic per-row factors from m = max|g| (possibly signed): mc = bf16(max(|m|, 2^-100)),
-    k = (1/mc) * fp8_max + z, scale = mc * (1/fp8_max) * rstd (into ``s_col``)."""
+    k = (1/mc) * fp8_max + z. Returns mc (the caller forms scale = mc * (1/fp8_max) * rstd)."""
     tt = m.shape[0]
     mc = nl.ndarray((tt, 1), dtype=nl.bfloat16, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=mc, data=m, op0=nl.abs, operand0=0.0, op1=nl.maximum,
@@ -508,34 +560,45 @@ def _row_scale(m, rstd, z, k, s_col, fp8_max):
     nisa.reciprocal(dst=r, data=mc)
     nisa.tensor_scalar(dst=k, data=r, op0=nl.multiply, operand0=fp8_max, op1=nl.add,
                        operand1=z)
+    return mc
+
+
+def _scale_col(mc, rstd, s_col, fp8_max):
+    """The row scales: s_col = mc * (1/fp8_max) * rstd."""
     nisa.tensor_scalar(dst=s_col, data=mc, op0=nl.multiply, operand0=1.0 / fp8_max,
                        op1=nl.multiply, operand1=rstd)
 
 
 def _store_row_scales(s_hbm, s_all, mine, T, programs):
-    """s_all[p, li] (scale of token mine[li]*128 + p) -> s_hbm [T, 1]: full tiles through TensorE
-    transposes (one 512 B row per tile), a ragged last tile directly."""
+    """s_all[p, li] (scale of token mine[li]*128 + p) -> s_hbm [T, 1] through TensorE transposes:
+    one 512 B row per tile, not one 4-byte descriptor per token (those cost 0.57 us a queue on
+    Trn2, modeled); a ragged tile of fewer than 8 rows (one DMA queue's) directly. Stored by
+    hardware DGE: its own DMA ring, not behind the last tile's stores for a transfer slot."""
     full = [li for li, i in enumerate(mine) if (i + 1) * P <= T]
-    if len(full) > 1:
-        ident = nl.shared_identity_matrix(P, dtype=nl.float32)                    # [128, 128]
-        n_full = T // P
-        rows = s_hbm[0:n_full * P, :].reshape((n_full, P))                        # [NT, 128]
-        for c0 in range(0, len(full), P):
-            nc = min(P, len(full) - c0)
-            tp = nl.ndarray((nc, P), dtype=nl.float32, buffer=nl.psum)             # [nc, 128]
-            nisa.nc_matmul(dst=tp, stationary=s_all[:, c0:c0 + nc], moving=ident,
-                           is_transpose=True)
-            sT = nl.ndarray((nc, P), dtype=nl.float32, buffer=nl.sbuf)             # [nc, 128]
-            nisa.tensor_copy(dst=sT, src=tp)
-            i0 = mine[full[c0]]
-            nisa.dma_copy(dst=rows[i0:i0 + programs * (nc - 1) + 1:programs, :], src=sT)
-        rest = [li for li in range(len(mine)) if li not in full]
-    else:
-        rest = list(range(len(mine)))
-    for li in rest:
+    n_full = T // P
+    rows = s_hbm[0:n_full * P, :].reshape((n_full, P)) if n_full else None       # [NT, 128]
+    hw = dict(dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
+    for c0 in range(0, len(full), P):
+        nc = min(P, len(full) - c0)
+        tp = nl.ndarray((nc, P), dtype=nl.float32, buffer=nl.psum)                 # [nc, 128]
+        nisa.nc_transpose(dst=tp, data=s_all[:, c0:c0 + nc], engine=nisa.engine.tensor)
+        sT = nl.ndarray((nc, P), dtype=nl.float32, buffer=nl.sbuf)                 # [nc, 128]
+        nisa.tensor_copy(dst=sT, src=tp)
+        i0 = mine[full[c0]]
+        nisa.dma_copy(dst=rows[i0:i0 + programs * (nc - 1) + 1:programs, :], src=sT, **hw)
+    for li in range(len(mine)):
+        if li in full:
+            continue
         t0 = mine[li] * P
         tt = min(P, T - t0)
-        nisa.dma_copy(dst=s_hbm[t0:t0 + tt, :], src=s_all[0:tt, li:li + 1])
+        if tt < 8:            # a few rows, all on one DMA queue: stored as they are
+            nisa.dma_copy(dst=s_hbm[t0:t0 + tt, :], src=s_all[0:tt, li:li + 1], **hw)
+            continue
+        tp = nl.ndarray((1, tt), dtype=nl.float32, buffer=nl.psum)                 # [1, tt]
+        nisa.nc_transpose(dst=tp, data=s_all[0:tt, li:li + 1], engine=nisa.engine.tensor)
+        sT = nl.ndarray((1, tt), dtype=nl.float32, buffer=nl.sbuf)                 # [1, tt]
+        nisa.tensor_copy(dst=sT, src=tp)
+        nisa.dma_copy(dst=s_hbm[t0:t0 + tt, :].reshape((1, tt)), src=sT, **hw)
 
 
 # ------------------------------------------------------------------------------- MX kernel
@@ -588,6 +651,7 @@ def rmsnorm_quant_mx_kernel(x, gamma, residual, eps, mx_x4, double):
         s_one = nl.ndarray((P, SL, P), dtype=nl.uint8, buffer=nl.sbuf)
 
     tiles = [(t0, min(P, T - t0)) for i, t0 in enumerate(range(0, T, P)) if i % programs == pid]
+    lone = len(tiles) == 1
     # Skewed loop, per iteration: load + sum of squares of tile j; the back half (transposes,
     # evictions, quantize_mx, stores) of tile j-1; then rstd and y1 = h * rstd of tile j
     # (GpSimd, one instruction per 512 columns so the transposes can start on the first ones).
@@ -602,7 +666,7 @@ def rmsnorm_quant_mx_kernel(x, gamma, residual, eps, mx_x4, double):
                 y1 = nl.ndarray((tt, H), dtype=nl.bfloat16, buffer=nl.sbuf)       # [tt, H]
             else:
                 h_sb, y1 = h_one[0:tt, :], y_one[0:tt, :]
-            if len(tiles) == 1:           # a lone tile: the sum of squares follows the chunks in
+            if lone:                      # a lone tile: the sum of squares follows the chunks in
                 ss = _load_sum_squares_chunked(h_sb, y1, x, residual, res_hbm, t0, tt)
             else:
                 _load_rows(h_sb, x, residual, res_hbm, t0, tt)
@@ -621,16 +685,20 @@ def rmsnorm_quant_mx_kernel(x, gamma, residual, eps, mx_x4, double):
                 nisa.memset(dst=s_sb[:, SL - 1, :], value=0)
             def store(sl0, sl1, pt0=pt0, ptt=ptt, q_sb=q_sb, s_sb=s_sb):
                 """Chunks [4 sl0, 4 sl1) of the tile: data and (SBUF partition 32Q + r -> scale
-                image row 16Q + r) their scale slots."""
+                image row 16Q + r) their scale slots. A lone tile's data goes by hardware DGE
+                (its own DMA ring): on one ring with the 4 scale stores of each slot, the 3
+                outstanding transfers a ring holds per queue left the queues idle between slots
+                (modeled, 128 x 7168: 17.7 -> 17.2 us)."""
                 k0, k1 = 4 * sl0, min(KT, 4 * sl1)
+                kw = dict(dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync) if lone else {}
                 nisa.dma_copy(dst=data_x4[:, KT * pt0 + k0 * ptt:KT * pt0 + k1 * ptt],
-                              src=q_sb[:, k0:k1, :])
+                              src=q_sb[:, k0:k1, :], **kw)
                 for Q in range(4):
                     nisa.dma_copy(dst=scale_hbm[16 * Q:16 * Q + 16,
                                                 SL * pt0 + sl0 * ptt:SL * pt0 + sl1 * ptt],
                                   src=s_sb[32 * Q:32 * Q + 16, sl0:sl1, :])
 
-            if len(tiles) == 1:           # a lone tile: chunks in order, stored as slots fill
+            if lone:                      # chunks in order, stored as slots fill
                 _mx_tile_back(py1, q_sb, s_sb, gT, ident, ptt, KT,
                               on_slot=lambda sl: store(sl, sl + 1))
             else:
@@ -641,9 +709,12 @@ def rmsnorm_quant_mx_kernel(x, gamma, residual, eps, mx_x4, double):
             rstd, _ = _rstd(ss, consts)
             for c in range(KT):
                 cols = slice(c * CHUNK, (c + 1) * CHUNK)
-                nisa.tensor_tensor(dst=y1[:, cols], data1=h_sb[:, cols],
-                                   data2=rstd.broadcast(1, CHUNK), op=nl.multiply,
-                                   engine=nisa.engine.gpsimd)
+                if lone and c % LONE_Y1_ACT_EVERY == LONE_Y1_ACT_EVERY - 1:
+                    nisa.activation(dst=y1[:, cols], op=nl.copy, data=h_sb[:, cols], scale=rstd)
+                else:
+                    nisa.tensor_tensor(dst=y1[:, cols], data1=h_sb[:, cols],
+                                       data2=rstd.broadcast(1, CHUNK), op=nl.multiply,
+                                       engine=nisa.engine.gpsimd)
             pending = (tiles[j], y1)
     if residual is not None:
         return data_hbm, scale_hbm, res_hbm
@@ -661,7 +732,8 @@ def _mx_tile_back(y1, q_sb, s_sb, gT, ident, tt, KT, on_slot=None):
     ``on_slot(sl)`` (a lone tile: no next tile to overlap): every chunk is transposed, evicted
     and quantized in order, ScalarE's in their place, and ``on_slot`` is called as each scale
     slot of four chunks is complete, so the stores start while the rest is made."""
-    act = [kt for kt in range(KT) if kt % ACT_EVICT_EVERY == ACT_EVICT_EVERY // 2]
+    every = ACT_EVICT_EVERY if on_slot is None else LONE_ACT_EVERY
+    act = [kt for kt in range(KT) if kt % every == every // 2]
     held = [None]
 
     def transposed(kt):
