@@ -122,6 +122,43 @@ def test_one_kv_head_packed_slots(tgt, rng, s_q, bs, lnc, opts):
     _run(q, k, v, lens, bs, lnc=lnc, **kw)
 
 
+def test_packed_fold_weights_before_last_pv(rng):
+    """A packed item's fold (the slots' states into the row state) needs only the final maxima
+    for its weights: their two steps (``fold_max``, ``fold_exp``) are issued before the item's
+    last P V products, and only the weighted sum (``fold_apply``) after them. The program's last
+    item leaves the folded o and l in PSUM for the output division (no copy to SBUF)."""
+    from nki_kernels.attention.decode_attention import decode_schedule
+    from nki_kernels.emulator.runtime import target
+    from nki_kernels.emulator.trace import trace
+    Hq, d = 8, 128
+    tk = decode_schedule([8192], 1, Hq, 1, d, 2, None, None, 1)[0].tile_keys
+    lens = [3 * tk, 2 * tk]                  # whole tiles: every tile packed
+    q, k, v = _inputs(rng, 2, 1, Hq, 1, d, lens)
+    with target("trn3"), trace() as t:
+        o = decode_attention(q, k, v, np.array(lens, np.int32))
+    ref = decode_attention_ref(q, k, v, lens, p_dtype="bfloat16")
+    exact = decode_attention_ref(q, k, v, lens, compute_dtype=np.float64)
+    assert_attention_close(o, ref, exact)
+    fn = [ins.src[2] if ins.src else "" for ins in t]
+    pv = [i for i, f in enumerate(fn) if f == "stage_pv_packed"]
+    steps = {f: [i for i, g in enumerate(fn) if g == f] for f in ("fold_max", "fold_exp",
+                                                                  "fold_apply")}
+    assert all(len(v) for v in steps.values()), steps
+    # one fold per item: split the instructions at the first fold_apply of each item
+    ends = [i for i in steps["fold_apply"] if fn[i - 1] != "fold_apply"]
+    assert len(ends) == len(lens)
+    start = 0
+    for end in ends:
+        last_pv = max(i for i in pv if start <= i < end)
+        w = [i for i in steps["fold_max"] + steps["fold_exp"] if start <= i < end]
+        assert w and max(w) < last_pv, (max(w), last_pv)
+        start = end
+    rec = [ins for ins in t if ins.src and ins.src[2] == "finalize" and ins.opcode == "reciprocal"]
+    assert len(rec) == len(lens)
+    assert "psum" in rec[-1].reads[0].buffer           # the last item: l read from PSUM
+    assert "psum" not in rec[0].reads[0].buffer
+
+
 def test_vector_gather(tgt, rng, monkeypatch):
     """The software-DGE form of the paged gather (row indices built on chip from the table)."""
     from nki_kernels.attention import decode_attention as mod

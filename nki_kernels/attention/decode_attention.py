@@ -55,7 +55,9 @@ from .softmax import M_FLOOR, SoftmaxState
 from .split_kv import (
     WorkItem,
     empty_rows,
-    fold_slots,
+    fold_apply,
+    fold_exp,
+    fold_max,
     merge_split,
     plan_split_kv,
     slot_selector,
@@ -85,6 +87,15 @@ SWDGE_EVERY = 4       # one-KV-head paged plans: one page in 4 through the softw
                       # Trn2 126.3 -> 125.1 us; for every paged plan it cost MLA H=128 paged 1.9%)
 LAGS = (0, 1, 2, 3)   # pipeline lags (in jobs) of the stages K^T, QK^T + softmax, P^T, PV: every
                       # PSUM eviction has a whole step to finish before TensorE needs its result
+FOLD_LAGS = (2, 3)    # packed plans: the fold's weight steps (split_kv.fold_max: the slots'
+                      # maxima across slots; fold_exp: back to partitions, exp) need only the
+                      # final maxima; they are issued at the start of the pipeline steps this many
+                      # jobs after the item's last job (ahead of its P^T, and of its PV), and only
+                      # the weighted sum (fold_apply) waits for the last PV. Llama-3-70B TP8,
+                      # Trn3 modeled: B=1 L=32K 43.1 -> 41.6 us, B=8 L=8K paged/64 97.2 ->
+                      # 92.2 us. Lags (2, 2): 42.4 us (B=1), the transposes back wait in TensorE's
+                      # queue ahead of the last P^T; (1, 3): 41.8 us; both steps after the last
+                      # PV (fold_slots, before): 43.1 us
 # Paged gather: "page" (a register-addressed DMA per page) models at 73% of the HBM roof on
 # Llama-3-8B B=8 L=2K paged/64 (Trn3) against 0.1% for "vector" (one software-DGE gather per tile):
 # the cost model sizes the gather's descriptors by its 4-byte index reads (see the design note).
@@ -403,9 +414,29 @@ class _Run:
                 fetch(j, "v")
 
         jobs = [(j, gi) for j in range(len(tiles)) for gi in range(self.cfg.n_groups)]
+
+        def fold_early(ji, part):
+            """Step ``part`` of the fold weights of the packed groups of the item whose last job
+            is ``ji`` (their maxima are final once that job's softmax is issued)."""
+            if not 0 <= ji < len(jobs):
+                return
+            j, gi = jobs[ji]
+            ii, _, _, _, last = tiles[j]
+            if not last or gi != self.cfg.n_groups - 1:
+                return
+            for grp in groups[ii]:
+                if grp.psm is None:
+                    continue
+                if part == 0:
+                    grp.fold = fold_max(grp.sm, grp.psm, self.cfg.nslot, self.cfg.W, grp.rows)
+                else:
+                    grp.fold = fold_exp(grp.sm, grp.fold, grp.rows)
+
         state = {}
         steps = len(jobs) + LAGS[-1]
         for step in range(steps):
+            for part, lag in enumerate(FOLD_LAGS):
+                fold_early(step - lag, part)
             ja, jd = step - LAGS[0], step - LAGS[3]
             gen_a = gen_d = None
             if 0 <= ja < len(jobs):
@@ -538,9 +569,14 @@ class _Run:
     def finish(self, it, groups, last=False):
         cfg = self.cfg
         for grp in groups:
-            if grp.psm is not None:      # the packed slots' states into the row state
-                fold_slots(grp.sm, grp.psm, cfg.nslot, cfg.W, grp.rows, self.sel)
-                grp.psm = None
+            if grp.psm is not None:
+                # the packed slots' states into the row state (the weights: items()); the
+                # program's last whole item leaves the folded o, l in PSUM, where the output
+                # division reads them: one copy fewer on the kernel's tail (B=1 L=32K above:
+                # 41.6 -> 41.45 us)
+                fold_apply(grp.sm, grp.psm, grp.fold, grp.rows, self.sel,
+                           o_psum=last and it.n_parts == 1 and not cfg.has_vscale)
+                grp.psm = grp.fold = None
             sm = grp.sm
             if it.n_parts > 1 and it.part > 0:
                 k = self.split.index(it)

@@ -182,12 +182,22 @@ def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel):
     selection matrix of :func:`slot_selector` (0/1 weights: each output is a sum of ``nslot``
     fp32 products, as exact as adds; a 0/1 stationary takes the documented
     ``is_stationary_onezero`` hint, which halves an fp32 matmul's time). Rows of a slot past
-    ``rows`` (zero queries) hold finite states and are weighted 0. (Issuing the weights' half
-    as soon as the maxima are final, before the item's last P V products, modeled no better:
-    its instructions then wait in the in-order queues of TensorE and VectorE ahead of those
-    products.) ``sel``: :func:`slot_selector` ``(W, rows)``, built once by the caller at the
-    kernel's start, where it waits for nothing."""
-    d = sm.d
+    ``rows`` (zero queries) hold finite states and are weighted 0. ``sel``:
+    :func:`slot_selector` ``(W, rows)``, built once by the caller at the kernel's start, where it
+    waits for nothing.
+
+    Three steps, which a caller may issue apart (same instructions, same order as one call):
+    :func:`fold_max` and :func:`fold_exp` need only the final maxima (the weights),
+    :func:`fold_apply` the final ``o`` and ``l``. (Issuing both weight steps together as soon
+    as the maxima are final, before the item's last P V products, modeled no better: the
+    transposes back then wait in TensorE's in-order queue for VectorE ahead of those products;
+    decode_attention issues the two one pipeline step apart.)"""
+    fold_apply(sm, psm, fold_exp(sm, fold_max(sm, psm, nslot, W, rows), rows), rows, sel)
+
+
+def fold_max(sm, psm, nslot: int, W: int, rows: int):
+    """:func:`fold_slots`, step 1: the maxima on one partition (TensorE transpose), their max
+    across the slots and ``m_i - m`` of every state there. Returns :func:`fold_exp`'s ``ctx``."""
     f32 = nl.float32
     started = sm.started
     # the maxima on one partition: [1, 128] of the slots (+ [1, rows] of the row state)
@@ -213,7 +223,15 @@ def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel):
     if started:
         nisa.tensor_tensor(dst=e[0:1, P:P + rows], data1=ms[0:1, P:P + rows],
                            data2=mr[0:1, 0:rows], op=nl.subtract)
-    # back to partitions: the weights w_i, and m itself for the row state
+    return started, e, mr
+
+
+def fold_exp(sm, ctx, rows: int):
+    """:func:`fold_slots`, step 2 (``ctx`` from :func:`fold_max`): back to partitions
+    (TensorE transposes), the slots' weights ``w_i`` (one exponential) and ``m`` for the row
+    state. Returns :func:`fold_apply`'s ``ctx``."""
+    f32 = nl.float32
+    started, e, mr = ctx
     eT = nl.ndarray((P, 3), dtype=f32, buffer=nl.psum)
     nisa.nc_transpose(dst=eT[:, 0:1], data=e[0:1, 0:P], engine=nisa.engine.tensor)
     if started:
@@ -222,6 +240,18 @@ def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel):
     nisa.nc_transpose(dst=eT[0:rows, 2:3], data=mr[0:1, 0:rows], engine=nisa.engine.tensor)
     w = nl.ndarray((P, 2), dtype=f32, buffer=nl.sbuf)
     nisa.activation(dst=w[:, 0:1], op=nl.exp, data=eT[:, 0:1], scale=sm.xmul)
+    return started, eT, w
+
+
+def fold_apply(sm, psm, ctx, rows: int, sel, o_psum=False):
+    """:func:`fold_slots`, step 3 (``ctx`` from :func:`fold_exp`): the weighted slot states
+    summed onto the rows (selection matmul), the row state's share added, the new max stored.
+    ``o_psum``: where the row state has not started, leave ``o`` and ``l`` in the matmul's PSUM
+    tile instead of copying them to SBUF (for a caller whose next and last use of them is the
+    output division, which reads PSUM)."""
+    d = sm.d
+    f32 = nl.float32
+    started, eT, w = ctx
     # the weighted slot states [o | l], summed onto rows [0, rows) by the selection matmul
     ol = nl.ndarray((P, d + 1), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=ol[:, 0:d], data=psm.o, op0=nl.multiply, operand0=w[:, 0:1])
@@ -232,14 +262,17 @@ def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel):
         c1 = min(d + 1, c0 + bank)
         nisa.nc_matmul(dst=acc[:, c0:c1], stationary=sel, moving=ol[:, c0:c1],
                        is_stationary_onezero=True)
-    o = nl.ndarray((rows, d + 1), dtype=f32, buffer=nl.sbuf)
     if started:     # + w o and w l of the row state (its rows are the outputs' partitions)
+        o = nl.ndarray((rows, d + 1), dtype=f32, buffer=nl.sbuf)
         nisa.activation(dst=w[0:rows, 1:2], op=nl.exp, data=eT[0:rows, 1:2], scale=sm.xmul)
         nisa.scalar_tensor_tensor(dst=o[:, 0:d], data=sm.o, op0=nl.multiply,
                                   operand0=w[0:rows, 1:2], op1=nl.add, operand1=acc[:, 0:d])
         nisa.scalar_tensor_tensor(dst=o[:, d:d + 1], data=sm.l, op0=nl.multiply,
                                   operand0=w[0:rows, 1:2], op1=nl.add, operand1=acc[:, d:d + 1])
+    elif o_psum:
+        o = acc
     else:
+        o = nl.ndarray((rows, d + 1), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=o, src=acc, engine=nisa.engine.vector)
     nisa.tensor_copy(dst=sm.mp[:, 0:1], src=eT[0:rows, 2:3], engine=nisa.engine.scalar)
     sm.o, sm.l = o[:, 0:d], o[:, d:d + 1]
