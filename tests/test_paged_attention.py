@@ -257,6 +257,34 @@ def test_single_prefill_matches_flash(tgt):
     assert_attention_close(lse.T[None], lf, el, what="paged vs flash lse")
 
 
+@pytest.mark.parametrize("bs, d", [(64, 128), (16, 256), (8, 64)])
+def test_chunk_kT_straight_from_pages(tgt, bs, d):
+    """A chunk with a q-dtype cache takes K^T straight from its pages: one DMA transpose per page
+    (and 128 rows of d) reading the cache, in the hardware DGE's 4-D form for pages of 16 keys or
+    more (the static 2-D form for 8-key pages), no staged copy of K; its V pages are hardware-DGE
+    DMAs triggered from ScalarE; the last Q^T batch stores each q-tile alone (docs/attention.md,
+    "Where the time goes")."""
+    from nki_kernels.emulator.trace import trace
+    rng = np.random.default_rng(31)
+    Hq, L, S = 2, 300, 384                       # 3 q-tiles per head; S a multiple of every bs
+    b = build(rng, [L], [S], Hq, 1, d, bs)
+    with trace() as t:
+        _run(b)
+    DT, pages = -(-d // 128), S // bs
+    page_kT = [i for i in t if i.opcode == "dma_transpose" and not i.reads[0].on_chip
+               and i.reads[0].shape[0] == min(bs, 16)]
+    assert len(page_kT) == pages * DT, len(page_kT)
+    assert all(i.attrs["dge"] == ("hwdge" if bs >= 16 else "unknown") for i in page_kT)
+    k_copies = [i for i in t if i.opcode == "dma_copy" and not i.reads[0].on_chip
+                and i.writes[0].on_chip and i.writes[0].shape == (bs, d)]
+    assert len(k_copies) == pages                # V only: K is never staged
+    assert all(i.attrs["dge"] == "hwdge" and i.attrs["issuer"] == "scalar" for i in k_copies)
+    stores = [i for i in t if i.opcode == "dma_copy" and not i.writes[0].on_chip
+              and i.writes[0].dtype == "bfloat16" and i.writes[0].shape[-1] == d]
+    assert len(stores) == 2 + 3, len(stores)     # head 0: 2 full tiles + the ragged one; head 1:
+                                                 # one per q-tile
+
+
 def test_decodes_match_decode_attention(tgt):
     """A batch of decodes (s_q = 1, then s_q = 3 drafts) = decode_attention on the same paged
     cache and table."""

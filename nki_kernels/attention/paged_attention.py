@@ -17,9 +17,10 @@ No new attention code: each request takes the path built for its shape.
   :mod:`.flash_attention`'s prefill tiles (``run_kv_group``: 128-row q-tiles x 2048-key blocks,
   whole-tile causal skipping, the four-stage software pipeline) on views of the ragged rows, with
   K^T / V loaded from the paged cache one page at a time (a scalar dynamic offset read from the
-  block table in SBUF addresses each page; no gather descriptors), keys on partitions, then K^T
-  by SBUF->SBUF DMA transposes. FP8 pages are cast to bf16 on GpSimd; ``k_scale`` folds into
-  the logit scale of its KV head, ``v_scale`` into the final normalisation.
+  block table in SBUF addresses each page; no gather descriptors): K^T by a DMA transpose
+  straight from each page, V (keys on partitions) by hardware-DGE DMAs from ScalarE. FP8 pages
+  land raw, GpSimd casts them to bf16 and K^T comes from SBUF->SBUF DMA transposes; ``k_scale``
+  folds into the logit scale of its KV head, ``v_scale`` into the final normalisation.
 
 :func:`plan_paged_attention` is the host schedule (which request takes which path, the decode KV
 tile and split-KV items, each chunk's resident KV span), a function of the lengths and shapes
@@ -346,7 +347,7 @@ def _chunk_request(q, k_cache, v_cache, block_table, sinks, out, lse, ident, ch,
         run_kv_group(q4, o4, l4, sinks, hbm_state, ident, spec, chunks,
                      [u for u in mine if u.kv_head == hk], Hq, Hkv, d, fp,
                      lambda c0, c1, hk=hk: _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1,
-                                                          q.dtype, cfg))
+                                                          q.dtype, cfg), store_each=True)
 
 
 def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
@@ -355,14 +356,17 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
     (key c0 + 128 t + p on partition p of tile t; column d = 1).
 
     One DMA per page for K and one for V (pages of 256 keys: per 128 keys), addressed by the
-    page's block-table entry in ``bt_sb`` (a scalar dynamic offset), keys on partitions; FP8
-    pages land raw and GpSimd casts them to bf16 (a DMA that casts cannot use the hardware DGE,
-    nki-spec 5.3: a dynamically addressed one would need the software DGE). K lands in a staging
-    tile and K^T is made by SBUF->SBUF
-    DMA transposes of KV_PIECE tiles at a time: a page's own K^T transpose would move
-    ``block_size * 2``-byte runs per partition, far below the DMA's efficient descriptor size
-    (64 keys: 128 B; modeled 699 vs 660 us on the 2K chunk over 8K row, Trn3). ``c0`` is a
-    multiple of the block size: pages never straddle a span."""
+    page's block-table entry in ``bt_sb`` (a scalar dynamic offset). K^T comes straight from
+    each page by a DMA transpose (:func:`_page_kT`; priced by the [128, 16] blocks it writes, a
+    64-key page costs 4 blocks), V by a hardware-DGE DMA triggered from ScalarE, keys on
+    partitions. Both leave the static DMA ring to the Q^T loads, P^T transposes and output
+    stores, whose transfers (all triggered at the start) used to sit ahead of the K^T of the
+    first tiles: on the 2K chunk over 0 the first QK^T started at 25 us, behind every page load
+    and the staged K's SBUF->SBUF transposes (modeled, Trn3: 129.1 -> 105.8 us; over 8K 656.6 ->
+    627.9 us). FP8 pages land raw (a DMA that casts cannot use the hardware DGE, nki-spec 5.3: a
+    dynamically addressed one would need the software DGE), GpSimd casts them to bf16, and K^T is
+    made by SBUF->SBUF DMA transposes of KV_PIECE staged tiles at a time. ``c0`` is a multiple of
+    the block size: pages never straddle a span."""
     d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
     DT = -(-d // P)
     C = c1 - c0
@@ -371,11 +375,20 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
     kT = nl.ndarray((P, DT, C), dtype=dtype, buffer=nl.sbuf)                  # [128, DT, C]
     vs = nl.ndarray((P, nt, d + 1), dtype=dtype, buffer=nl.sbuf)              # [128, nt, d+1]
     nisa.memset(dst=vs[:, :, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
-    kst = nl.ndarray((P, nt, d), dtype=dtype, buffer=nl.sbuf)                 # [128, nt, d]
-    k_in, v_in = kst, vs[:, :, 0:d]
+    staged = cfg.fp8                     # FP8: K staged, cast, then transposed in SBUF
+    kst = k_in = None
+    if staged:
+        kst = nl.ndarray((P, nt, d), dtype=dtype, buffer=nl.sbuf)             # [128, nt, d]
+        k_in = kst
+    v_in = vs[:, :, 0:d]
     if cfg.fp8:           # raw FP8 pages (a casting DMA needs the software DGE), cast on GpSimd
         k_in = nl.ndarray((P, nt, d), dtype=k_cache.dtype, buffer=nl.sbuf)    # [128, nt, d]
         v_in = nl.ndarray((P, nt, d), dtype=v_cache.dtype, buffer=nl.sbuf)
+    # V on ScalarE's hardware-DGE ring (the DGE holds 600 ns per page; ScalarE is idle while
+    # the first pages load). FP8 keeps the static ring: its raw V tile waits for SBUF (raw and
+    # bf16 copies), and an in-order ScalarE trigger waiting for it stalls the softmax (chunk over
+    # 32K, Trn3: 2314.7 -> 2370.6 us with it)
+    vkw = {} if staged else dict(dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
     kp = k_cache.reshape((k_cache.shape[0], bs * row))                        # [num_blocks, page]
     vp = v_cache.reshape((v_cache.shape[0], bs * row))
     done_t = 0
@@ -387,9 +400,15 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
             m = min(P, bs - s0, C - base - s0)
             t, p0 = (base + s0) // P, (base + s0) % P
             off = (s0 * Hkv + hk) * d
-            for dst, pages in ((k_in[p0:p0 + m, t, :], kp), (v_in[p0:p0 + m, t, :], vp)):
-                nisa.dma_copy(dst=dst, src=pages.ap([[row, m], [1, d]], offset=off,
-                                                    scalar_offset=reg, indirect_dim=0))
+            if staged:
+                nisa.dma_copy(dst=k_in[p0:p0 + m, t, :], src=kp.ap(
+                    [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0))
+            else:
+                _page_kT(kT, kp, reg, off, base + s0, m, d, row)
+            nisa.dma_copy(dst=v_in[p0:p0 + m, t, :], src=vp.ap(
+                [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0), **vkw)
+        if not staged:
+            continue
         ready = min(C, base + bs) // P              # whole tiles staged so far
         last = j == last_page
         if ready - done_t >= KV_PIECE or last:
@@ -398,6 +417,25 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
             _stage_kT(kT, kst, done_t, ready, C, d, DT, last)
             done_t = ready
     return kT, vs
+
+
+def _page_kT(kT, kp, reg, off, k0, m, d, row):
+    """K^T columns [k0, k0 + m) (``m`` keys of one page) straight from the page in HBM: one DMA
+    transpose per 128 rows of d. ``m`` a multiple of 16 takes the hardware DGE's 4-D form
+    ([16, 1, m/16, dc] -> [dc, 1, m/16, 16], the HWDGE shape rule), triggered from Sync: its own
+    DMA ring, so the page transposes do not queue behind the Q^T loads, P^T transposes and
+    output stores of the static ring. 8-key pages take the static 2-D form."""
+    for c in range(-(-d // P)):
+        dc = min(P, d - c * P)
+        dst = kT[0:dc, c, k0:k0 + m]
+        if m % 16 == 0:
+            nisa.dma_transpose(dst=dst.reshape((dc, 1, m // 16, 16)),
+                               src=kp.ap([[row, 16], [m * row, 1], [16 * row, m // 16], [1, dc]],
+                                         offset=off + c * P, scalar_offset=reg, indirect_dim=0),
+                               dge_mode=nisa.dge_mode.hwdge)
+        else:
+            nisa.dma_transpose(dst=dst, src=kp.ap([[row, m], [1, dc]], offset=off + c * P,
+                                                  scalar_offset=reg, indirect_dim=0))
 
 
 def _cast_tiles(kst, vs, k8, v8, t0, t1, c_end, d):
