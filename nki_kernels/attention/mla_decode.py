@@ -423,11 +423,9 @@ class _Run:
         if cfg.return_lse:
             l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         grp.sm.finalize(o_sb, l_sb, cfg.v_mul if cfg.v_mul != 1.0 else None)
-        flat = self.out[b].reshape((cfg.rows, D_LATENT))
-        nisa.dma_copy(dst=flat[grp.r0:grp.r0 + grp.rows, :], src=o_sb)
+        nisa.dma_copy(dst=self._rows(self.out, b, grp), src=o_sb)
         if l_sb is not None:
-            fl = self.lse[b].reshape((cfg.rows, 1))
-            nisa.dma_copy(dst=fl[grp.r0:grp.r0 + grp.rows, :], src=l_sb)
+            nisa.dma_copy(dst=self._rows(self.lse, b, grp), src=l_sb)
 
     def store_last(self, it, grp, O=None, alpha=None, o_a=None):
         """The program's last item: lse and its store ahead of the o update (they need only m
@@ -438,15 +436,19 @@ class _Run:
         if cfg.return_lse:
             l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
             grp.sm.lse(l_sb)
-            fl = self.lse[it.b].reshape((cfg.rows, 1))
-            nisa.dma_copy(dst=fl[grp.r0:grp.r0 + grp.rows, :], src=l_sb)
+            nisa.dma_copy(dst=self._rows(self.lse, it.b, grp), src=l_sb)
         o_sb = nl.ndarray((grp.rows, D_LATENT), dtype=cfg.out_dtype, buffer=nl.sbuf)
         h = D_LATENT // 2
         outs = [(o_sb[:, 0:h], 0, h, "vector"), (o_sb[:, h:D_LATENT], h, D_LATENT, "scalar")]
         grp.sm.finalize_last(O, alpha, outs, cfg.v_mul if cfg.v_mul != 1.0 else None, o_a)
-        flat = self.out[it.b].reshape((cfg.rows, D_LATENT))
-        nisa.dma_copy(dst=flat[grp.r0:grp.r0 + grp.rows, :], src=o_sb)
+        nisa.dma_copy(dst=self._rows(self.out, it.b, grp), src=o_sb)
         grp.stored = True
+
+    def _rows(self, t, b, grp):
+        """Row group ``grp``'s rows of sequence ``b`` of ``out`` ([B, s_q, H, 512]) or ``lse``
+        ([B, s_q, H]) as ``[rows, 512]`` / ``[rows, 1]``."""
+        w = D_LATENT if t is self.out else 1
+        return t[b].reshape((self.cfg.rows, w))[grp.r0:grp.r0 + grp.rows, :]
 
     def merge_owned(self, owned):
         for it in owned:

@@ -253,12 +253,10 @@ class SoftmaxState:
         nisa.reciprocal(dst=recip, data=den)
         if out_scale is not None:
             nisa.tensor_scalar(dst=recip, data=recip, op0=nl.multiply, operand0=float(out_scale))
-        if o_psum is None:
-            pass
-        elif o_scaled is not None:
+        if o_scaled is not None:
             nisa.tensor_tensor(dst=o_scaled, data1=o_scaled, data2=o_psum, op=nl.add)
             self.o = o_scaled
-        else:
+        elif o_psum is not None:
             self.accumulate_o(o_psum, alpha, mode="stt", copy_engine="vector")
         for out_sb, c0, c1, engine in outs:
             if engine == "vector":

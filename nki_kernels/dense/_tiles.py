@@ -93,14 +93,18 @@ def k_tiles_per_dma(ncols: int, itemsize: int, K: int, target_bytes: int = 8192)
 
 
 # ------------------------------------------------------------------------------- kernel side
-def identity(dtype):
+def identity(dtype, *dtypes):
     """A [128, 128] identity in SBUF built on GpSimd (iota + compare): no DMA, so it never
-    queues in front of the weight stream."""
+    queues in front of the weight stream. With more dtypes, a tuple of identities, one per
+    dtype, from one iota."""
     idx = nl.ndarray((P, P), dtype=nl.int32, buffer=nl.sbuf)                  # [128, 128]
     nisa.iota(dst=idx, pattern=[[1, P]], offset=0, channel_multiplier=-1)    # j - p
-    out = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)                     # [128, 128]
-    nisa.tensor_scalar(dst=out, data=idx, op0=nl.equal, operand0=0.0)
-    return out
+    outs = []
+    for dt in (dtype, *dtypes):
+        out = nl.ndarray((P, P), dtype=dt, buffer=nl.sbuf)                    # [128, 128]
+        nisa.tensor_scalar(dst=out, data=idx, op0=nl.equal, operand0=0.0)
+        outs.append(out)
+    return outs[0] if not dtypes else tuple(outs)
 
 
 def load_col_vector(v, n, dtype=None, v0=0, out=None, col0=0, ident=None):

@@ -27,6 +27,7 @@ from .._limits import P, sbuf_budget
 from .._validate import check_eps, check_lnc, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from ..backend import launch, lnc_programs, nisa, nki, nl
+from ..dense._tiles import identity
 from .mxfp8_matmul import CHUNK, MXTensor
 
 AMAX_FLOOR = 2.0 ** -100      # rows with max|g| below this are scaled as if it were this
@@ -239,7 +240,11 @@ def rmsnorm_quant_fp8_kernel(x, gamma, residual, eps, fp8_dtype, fp8_max, static
     lone = not transposed and len(mine) == 1 and static_scale is None  # column chunks (below)
     if transposed:
         dg = None                 # built by the first tile, its gamma load ahead of the x.T ones
-        ident, sel = _identities()                                  # [128, 128] bf16, uint8
+        # built on-chip (bf16 for diag(gamma), uint8 for the Gram's diagonal predicate): loaded
+        # by DMA (nl.shared_identity_matrix) they took 2 of the 3 transfers a DMA ring holds per
+        # queue ahead of the first x.T transposes (modeled: TensorE started at 4.2 us, 1.7 with
+        # the rest of the start-up, on Trn3's Gemma-3-27B T = 512)
+        ident, sel = identity(nl.bfloat16, nl.uint8)                # [128, 128] bf16, uint8
     else:
         GP = min(P, T)                                    # partitions the tiles will use
         gam_sb = nl.ndarray((GP, H), dtype=gamma.dtype, buffer=nl.sbuf)           # [GP, H]
@@ -376,21 +381,6 @@ def _pass2_split(c0, c1, gen):
             out.append((eng, a0, a1))
         a0 = a1
     return out
-
-
-def _identities():
-    """[128, 128] identities built on-chip, bf16 (diag(gamma)) and uint8 (the Gram's diagonal
-    predicate): GpSimd iota p - j, VectorE compares. Loaded by DMA (nl.shared_identity_matrix)
-    they took 2 of the 3 transfers a DMA ring holds per queue ahead of the first x.T transposes
-    (modeled: TensorE started at 4.2 us, 1.7 with the rest of the start-up below, on Trn3's
-    Gemma-3-27B T = 512)."""
-    idx = nl.ndarray((P, P), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.iota(dst=idx, pattern=[[-1, P]], offset=0, channel_multiplier=1)         # p - j
-    ident = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=ident, data=idx, op0=nl.equal, operand0=0.0)
-    sel = nl.ndarray((P, P), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=sel, data=idx, op0=nl.equal, operand0=0.0)
-    return ident, sel
 
 
 def _gamma_diag(gamma, NB, ident):
