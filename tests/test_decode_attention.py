@@ -159,6 +159,43 @@ def test_packed_fold_weights_before_last_pv(rng):
     assert "psum" not in rec[0].reads[0].buffer
 
 
+def test_one_kv_head_loads(rng):
+    """A one-KV-head (packed) plan with s_q = 1: each item's Q^T comes from HBM by one 2-D DMA
+    transpose (``[G, d]`` into slot 0, copied on chip to the other slots), with no Q row loads,
+    no TensorE transpose of Q and no identity matrix loaded (bf16 cache); and its K loads run
+    ``PACKED_V_BEHIND`` (3 on Trn2) tiles ahead of the V loads, so the program's last K lands
+    ahead of its last 4 V tiles and the last tiles' K chains (K^T, scores, softmax, P^T) start
+    sooner. The values are checked by the packed tests above."""
+    from nki_kernels.attention.decode_attention import PACKED_V_BEHIND, decode_schedule
+    from nki_kernels.emulator.runtime import target
+    from nki_kernels.emulator.trace import trace
+    Hq, d = 8, 128
+    tk = decode_schedule([8192], 1, Hq, 1, d, 2, None, None, 1)[0].tile_keys
+    lens = [6 * tk, 2 * tk]                  # whole tiles: every tile packed
+    q, k, v = _inputs(rng, 2, 1, Hq, 1, d, lens)
+    with target("trn2"), trace() as t:
+        o = decode_attention(q, k, v, np.array(lens, np.int32))
+    ref = decode_attention_ref(q, k, v, lens, p_dtype="bfloat16")
+    exact = decode_attention_ref(q, k, v, lens, compute_dtype=np.float64)
+    assert_attention_close(o, ref, exact)
+    fn = [ins.src[2] if ins.src else "" for ins in t]
+    dmas = [ins for ins in t if ins.engine == "dma" and ins.writes[0].buffer == "sbuf"]
+    # Q: one DMA transpose per item, nothing else reads q; no TensorE transposes of Q
+    qT = [ins for ins in dmas if ins.opcode == "dma_transpose"]
+    assert len(qT) == len(lens) and {ins.reads[0].shape for ins in qT} == {(Hq, d)}
+    q_id = qT[0].reads[0].alloc
+    assert [ins for ins in dmas if ins.reads[0].alloc == q_id] == qT
+    assert "_ready_dims" not in fn
+    assert not [ins for ins in t if ins.engine == "dma" and ins.src and
+                ins.src[2] == "decode_attention_kernel" and ins.writes[0].buffer == "sbuf"]
+    # KV: one DMA per tile and cache, the last K ahead of the last 4 V tiles (K 3 tiles ahead)
+    kv = [ins.reads[0].alloc for ins in dmas if ins.src and ins.src[2] == "load_kv_tile"]
+    assert len(kv) == 2 * sum(lens) // tk
+    k_id = kv[0]
+    last_k = max(i for i, a in enumerate(kv) if a == k_id)
+    assert len(kv) - 1 - last_k == 4 and PACKED_V_BEHIND[3] == 3
+
+
 def test_vector_gather(tgt, rng, monkeypatch):
     """The software-DGE form of the paged gather (row indices built on chip from the table)."""
     from nki_kernels.attention import decode_attention as mod

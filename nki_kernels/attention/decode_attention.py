@@ -74,13 +74,16 @@ PREFETCH = 2          # KV tiles loaded ahead of the one being computed
 K_RING = PREFETCH + 2  # FP8 K^T pair buffers reused tile after tile: a tile's K^T loads wait for
                        # the QK^T reads (stage B) of the tile K_RING back (one slot fewer would let
                        # the program write a buffer before its last read)
-V_BEHIND = (1, 2)     # V loads issued this many tiles behind K loads (row layout, packed plans):
-                      # the last K lands before the last V (1: 84.7 -> 80.6 us on Llama-3-8B
-                      # B=1 L=8K, Trn3; 113 -> 108 Trn2). Packed one-KV-head plans take 2: their
-                      # per-tile K chain (K^T, scores, softmax, P^T) outlasts a tile's DMA, so the
-                      # last tiles' chains start sooner (Llama-3-70B TP8 B=1 L=32K 45.0 -> 44.0 us
-                      # Trn3, 60.6 -> 59.1 Trn2; B=8 L=8K paged 123.8 -> 122.1, 128.0 -> 126.3;
-                      # 2 for every plan cost the Llama-3-8B rows 0.3-0.5%; all modeled)
+V_BEHIND = 1          # V loads issued this many tiles behind K loads (row layout): the last K lands
+                      # before the last V (1: 84.7 -> 80.6 us on Llama-3-8B B=1 L=8K, Trn3; 113 ->
+                      # 108 Trn2; 2 for every plan cost the Llama-3-8B rows 0.3-0.5%; all modeled)
+PACKED_V_BEHIND = {3: 3, 4: 4}  # packed one-KV-head plans, by NeuronCore version (Trn2 3, Trn3 4):
+                      # their per-tile K chain (K^T, scores, softmax, P^T) outlasts a tile's DMA, so
+                      # K loads run this many tiles ahead of V (K prefetched as far) and the last
+                      # tiles' chains start sooner. Llama-3-70B TP8, modeled, B=1 L=32K / B=8 L=8K
+                      # paged/64: Trn2 2 (as before): 55.07 / 108.30 us, 3: 53.61 / 107.01, 4:
+                      # 53.82 / 109.31; Trn3 2: 40.67 / 90.66, 3: 40.07 / 91.80, 4: 39.82 / 90.84;
+                      # 5 (before the Q^T and identity changes): 55.92 / 113.10, 41.40 / 92.78
 SWDGE_EVERY = 4       # one-KV-head paged plans: one page in 4 through the software DGE (Llama-3-70B
                       # TP8 B=8 L=8K paged/64, Trn3 modeled: 122.1 us with every page on Sync; 1 in
                       # 2 / 3 / 4 / 5 / 6 / 8: 166.7 / 111.0 / 100.0 / 102.9 / 105.8 / 108.9 us;
@@ -258,7 +261,11 @@ def decode_attention_kernel(q, k_cache, v_cache, block_table, rowtab, cfg):
     programs, pid = lnc_programs()
     mine = cfg.items[pid]
     split, parts_hbm = split_parts(cfg.items, cfg.n_groups, d)
-    ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)                   # [128, 128]
+    # the identity (one DMA of 128 rows of 256 B: queue time at the start) only where it is used:
+    # FP8 K^T by matmul, and the last sequence's stores with s_q > 1 (_store_by_draft)
+    ident = None
+    if k_cache.dtype not in (nl.bfloat16, nl.float16) or s_q > 1:
+        ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)               # [128, 128]
     if pid == 0:
         empty_rows(out, lse, cfg.seq_lens, s_q * Hq, d, cfg.out_dtype)
     run = _Run(q, k_cache, v_cache, block_table, rowtab, out, lse, parts_hbm, split, ident, cfg)
@@ -321,7 +328,14 @@ class _Run:
         self.out, self.lse, self.parts = out, lse, parts_hbm
         nb, ng = rowtab.shape[1], rowtab.shape[2]
         self.rt_all = nl.ndarray((P, nb, ng, NCOL), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=self.rt_all, src=rowtab)                      # [128, B, groups, 5]
+        # the row table: 128 descriptors of B n_groups 20 bytes, each at the descriptor floor.
+        # Contiguous caches load it behind the first K tile (one DMA, 16 queues), whose arrival it
+        # delayed by ~0.4 us on every queue (Llama-3-8B B=1 L=2K, Trn3 modeled: 26.27 -> 25.88
+        # us); paged ones first (behind the first tile's page DMAs: 107.0 -> 107.2 us on
+        # Llama-3-70B TP8 B=8 L=8K paged/64, Trn2)
+        self.rowtab = rowtab                                            # [128, B, groups, 5]
+        if cfg.layout.paged:
+            self._load_rowtab()
         self.split = list(split)
         self.ident = ident
         self.cfg = cfg
@@ -341,10 +355,16 @@ class _Run:
         self.swdge_every = SWDGE_EVERY if cfg.packed else 0
         # packed plans: the slots' selection matrix of every item's fold (rows = W: one head)
         self.sel = slot_selector(cfg.W, cfg.W) if cfg.packed else None
-        # Q^T by hardware-DGE DMA transposes (2-byte q; the hwdge shape rule: s_q in {1, 2, 4,
-        # 8, 16}, s_q G a multiple of 16, d <= 128)
+        # Q^T by hardware-DGE DMA transposes (2-byte q, d <= 128; the hwdge shape rule, nki-spec
+        # 9.2.2: a 3-D [s_q, G, d] source needs s_q in {1, 2, 4, 8, 16} and s_q G a multiple of
+        # 16; with s_q = 1 the 2-D [G, d] form needs G in {1, 2, 4, 8, 16} (SDK 2.32)). The 2-D
+        # form: Llama-3-8B B=1 L=2K Trn3 26.44 -> 26.27 us, Llama-3-70B TP8 B=1 L=32K 41.35 ->
+        # 40.46 (with the row loads, 256 B descriptors at the descriptor floor, on one queue per
+        # slot); not FP8 caches, whose paged path modeled slower with it (Llama-3-8B B=8 L=2K
+        # paged/64 FP8, Trn3: 117.8 -> 123.0 us)
         self.q_dma_t = (not self.pairs and cfg.d <= P and q.dtype.itemsize == 2
-                        and cfg.s_q in (1, 2, 4, 8, 16) and (cfg.s_q * cfg.G) % 16 == 0)
+                        and ((cfg.s_q in (1, 2, 4, 8, 16) and (cfg.s_q * cfg.G) % 16 == 0)
+                             or (cfg.s_q == 1 and cfg.G in (1, 2, 4, 8, 16) and not self.fp8)))
 
     # -- the tile stream ------------------------------------------------------------------------
     def items(self, mine):
@@ -368,7 +388,7 @@ class _Run:
                 for _ in range(K_RING)] if self.pairs else None
 
         def fetch(j, which):
-            """Issue the K ("k") or V ("v") loads of tile j; V runs V_BEHIND tiles behind K, so
+            """Issue the K ("k") or V ("v") loads of tile j; V runs ``vb`` tiles behind K, so
             the queues deliver each tile's K first (stage A needs it three steps before stage D
             needs V) and the last K lands before the last V."""
             ii, c, k0, n, _ = tiles[j]
@@ -388,6 +408,7 @@ class _Run:
                 for kT, h0 in zip(t, range(0, lay.h_kv, hpt)):
                     load_kT_pairs(kT, cache, lay, it.b, k0, n, h0, min(hpt, lay.h_kv - h0))
                 loaded.setdefault(j, {})[which] = t
+                self._load_rowtab()
                 return
             t = nl.ndarray((P, lay.T, lay.h_kv, lay.d), dtype=cache.dtype, buffer=nl.sbuf)
             zero = self.fp8 and which == "k"                            # K^T by matmul
@@ -398,11 +419,13 @@ class _Run:
                 col = idx[ii][c // P][:, c % P:c % P + 1] if lay.paged else None
                 load_kv_tile(t, cache, lay, it.b, k0, n, col, zero_tail=zero)
             loaded.setdefault(j, {})[which] = t
+            self._load_rowtab()
 
-        vb = V_BEHIND[self.cfg.packed]
+        vb = PACKED_V_BEHIND[int(nisa.get_nc_version())] if self.cfg.packed else V_BEHIND
 
         def prefetch(j):
-            last = min(len(tiles) - 1, j + PREFETCH)
+            # K loads PREFETCH tiles ahead, or as far ahead of V as packed plans run them
+            last = min(len(tiles) - 1, j + max(PREFETCH, vb))
             for jj in range(j, last + 1):
                 if "k" not in loaded.get(jj, {}):
                     fetch(jj, "k")
@@ -478,6 +501,12 @@ class _Run:
                     # had to wait for the program's last loads)
                     self.finish(done.it, groups.pop(ii), last=ii == len(mine) - 1)
 
+    def _load_rowtab(self):
+        """The row table's one DMA, the first time it is called."""
+        if self.rowtab is not None:
+            nisa.dma_copy(dst=self.rt_all, src=self.rowtab)             # [128, B, groups, 5]
+            self.rowtab = None
+
     # -- per item ---------------------------------------------------------------------------------
     def start(self, it):
         """Issue the Q and row-table loads of an item (with its first tile's loads, so they wait
@@ -493,16 +522,21 @@ class _Run:
             groups.append(grp)
             if self.q_dma_t:
                 # Q^T straight from HBM: one hardware-DGE DMA transpose per slot of its G heads'
-                # [s_q, G, d] rows into [d, G, s_q] (the rows' order g s_q + i), instead of G s_q
-                # loads of d-element rows (one descriptor each) and a TensorE transpose
+                # [s_q, G, d] rows into [d, G, s_q] (the rows' order g s_q + i; s_q = 1: [G, d]
+                # into [d, G]), instead of G s_q loads of d-element rows (one descriptor each)
+                # and a TensorE transpose. Packed plans load slot 0 only; ready() copies its
+                # columns to the other slots (one trigger per item, not one per slot: Llama-3-70B
+                # TP8 B=8 L=8K paged/64, Trn2 modeled 107.28 -> 107.01 us)
                 qT = nl.ndarray((P, self.DT, P), dtype=self.q.dtype, buffer=nl.sbuf)  # [d, 1, rows]
                 width = P if cfg.packed else rows
                 if cfg.rows < cfg.W or rows < P:
                     nisa.memset(dst=qT[:, 0, 0:width], value=0.0, engine=nisa.engine.gpsimd)
-                for s, h in cfg.slots_of(g):
+                for s, h in cfg.slots_of(g)[:1 if cfg.packed else None]:
                     c0 = s * cfg.W + cfg.row_off(it.b)
                     src = cfg.rows_of(self.q, it.b)[:, h * cfg.G:(h + 1) * cfg.G, :]  # [s_q, G, d]
                     dst = qT[0:cfg.d, 0, c0:c0 + cfg.rows].reshape_dim(1, (cfg.G, cfg.s_q))
+                    if cfg.s_q == 1 and cfg.G in (1, 2, 4, 8, 16):       # (else the 3-D form)
+                        src, dst = src[0], qT[0:cfg.d, 0, c0:c0 + cfg.G]        # [G, d] -> [d, G]
                     nisa.dma_transpose(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge)
                 grp.qT = qT
                 continue
@@ -529,6 +563,12 @@ class _Run:
         width = P if cfg.packed else rows              # packed: the rows of every slot
         if grp.qT is None:                             # (else start loaded it transposed)
             (self._ready_pairs if self.pairs else self._ready_dims)(grp, width)
+        elif cfg.packed:
+            # slot 0's Q^T columns (and zeros) copied to the other slots
+            qv = grp.qT[0:cfg.d, 0, 0:P].reshape_dim(1, (cfg.nslot, cfg.W))        # [d, slot, W]
+            nisa.tensor_copy(dst=qv[:, 1:cfg.nslot, :],
+                             src=qv[:, 0, :].expand_dim(1).broadcast(1, cfg.nslot - 1),
+                             engine=nisa.engine.vector)
         grp.q_sb = None
         grp.psm = None                                 # the packed slots' state, if any
         sink = grp.rt[0:rows, C_SINK:C_SINK + 1] if cfg.has_sinks and it.part == 0 else None
