@@ -154,6 +154,11 @@ CASES = [
     pytest.param(2, 1, 16, [2048, 3072], 64, id="H16-paged64-whole-tiles"),
     pytest.param(2, 1, 16, [1024, 7], None, id="H16-contig-one-whole-tile"),
     pytest.param(1, 2, 32, [1200], 64, id="H32-sq2-paged64-packed2"),
+    # the drafts' diagonal in a full last tile: packed and masked per slice (T = 8 and T = 4);
+    # a full tile cut by it but not last (a key follows): row layout
+    pytest.param(1, 2, 16, [2048], 64, id="H16-sq2-paged64-masked-packed"),
+    pytest.param(2, 4, 16, [1024, 0], None, id="H16-sq4-contig-masked-packed2"),
+    pytest.param(1, 3, 16, [1025], None, id="H16-sq3-cut-tile-not-last"),
     pytest.param(3, 4, 32, [4, 0, 261], None, id="H32-sq4-contig-empty"),
     pytest.param(1, 1, 128, [777], 32, id="H128-paged32"),
     pytest.param(1, 3, 48, [140], None, id="H48-sq3-two-row-groups"),
@@ -201,6 +206,30 @@ def test_program_ends_with_a_split_division(tgt):
                  and i.writes[0].buffer.endswith("hbm") and i.writes[0].shape[-1] == 1]
     assert any(i.engine == "vector" and i.opcode == "tensor_tensor"   # the update, after
                for i in ins[lse_store[-1]:last])                         # lse's store
+
+
+def test_drafts_last_tile_packs(tgt):
+    """With drafts (s_q > 1) a sequence's last tile, when full, runs packed like the others:
+    the drafts' diagonal is masked per slot slice (``range_select`` over the 128 slot rows, one
+    per slice), not in the row layout (a ``range_select`` over the s_q H rows). On Trn3 the
+    packed exponentials run on VectorE and part of K^T by identity matmuls."""
+    from nki_kernels.emulator.trace import trace
+    rng = np.random.default_rng(5)
+    lens = [2048]
+    qn, qr, kv, table = _inputs(rng, 1, 2, 16, lens, 64)
+    with trace() as t:
+        _check(qn, qr, kv, lens, table, what=f"mla_decode {tgt}")
+    ins = list(t)
+    rs = [i for i in ins if i.opcode == "range_select"]
+    assert len(rs) == 2                            # one per slice of a slot (Ts = 2)
+    assert all(i.writes[0].partitions == (0, 128) for i in rs)
+    if tgt == "trn3":
+        assert any(i.engine == "vector" and i.opcode == "exponential" for i in ins)
+        assert not any(i.engine == "scalar" and i.opcode == "activation"   # (the fold's
+                       and i.attrs.get("op") == "exp" and i.writes[0].shape[-1] > 1  # [128, 1]
+                       for i in ins)                                       # weights only)
+        assert any(i.opcode == "nc_matmul" and i.attrs.get("M") == 128
+                   and i.attrs.get("N") == 128 for i in ins)      # K^T by identity matmuls
 
 
 def test_slot_plan():

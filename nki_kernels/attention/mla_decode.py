@@ -14,7 +14,8 @@ Per latent tile (``128 T`` tokens of one sequence, one long DMA run per partitio
 register-addressed DMA per page), read from HBM **once**:
 
 * K^T: TensorE transposes of the 576 columns (4 x 128 + 64), key order restored on eviction,
-  shared by every row group (all heads see the same keys);
+  shared by every row group (all heads see the same keys); packed tiles on Trn3 take some token
+  slices by identity matmuls instead (the transposes' background lane bound);
 * per row group (128 of the ``s_q x H`` query rows, row ``i H + h``): ``S = Q^T.T K^T`` (5
   accumulating matmuls per 512 keys), scores scaled and row max fused on the way out of PSUM
   (masked with ``range_select`` where the tail or the drafts' diagonal cut the tile), one
@@ -46,13 +47,15 @@ from .._validate import (
 )
 from ..backend import launch, lnc_programs, nisa, nki, nl
 from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, load_kv_tile_pages, tokens_per_partition
-from .masks import scale_mask_max
+from .masks import mask_range_select, scale_mask_max
 from .merge_attention_states import merge_states_sb
 from .schedule import drain, weave
 from .softmax import SoftmaxState
 from .split_kv import (
     empty_rows,
-    fold_slots,
+    fold_apply,
+    fold_exp,
+    fold_max,
     merge_split,
     plan_split_kv,
     slot_selector,
@@ -83,8 +86,20 @@ EVICT_ACT = {3: (0.7, 0.6), 4: (0.7, 0.7)}
 # 147.0 / 147.0 us; Trn2 at 0.4 / 0.45 / 0.5 / 0.55 / 0.6: 139.6 / 143.5 / 129.6 / 152.6 / 153.4
 # and 198.4 / 201.1 / 187.0 / 203.2 / 202.5 us, but the FP8 B=1 L=32K row 160.6 / 163.0 /
 # 161.5 / 152.0 / 141.0: Trn2 keeps 0.6.
+KT_MM_SLICES = (2, 5, 7)
+# Packed tiles on Trn3: K^T of these token slices (of every 128-column chunk) by identity
+# matmuls on the PE array, the others by transposes on TensorE's background lane, which with
+# every K^T a transpose carried 42 of a tile's 70 TensorE passes. Modeled, TP8 H=16 B=1 L=32K /
+# B=32 L=4K paged (us), with the other 2026-11-29 changes: none 90.5 / 123.5, (7) 88.1 / 123.5,
+# (3, 7) 88.1 / 123.9, (2, 5, 7) 88.1 / 123.1, (1, 3, 5, 7) 88.4 / 123.8.
+STT_TAIL = 2
+# Packed o updates on Trn3 run split (``o alpha`` on ScalarE, the PSUM add on VectorE), except
+# the program's last STT_TAIL + 1 tiles (one VectorE pass each: split, the updates of the tail
+# ping-pong between the engines). Modeled TP8 H=16 B=1 L=32K, 1 / 2 / 3: 88.4 / 88.1 / 88.6 us
+# (before the fold's weights went ahead of the last update: 2 / 4 / none 88.9 / 89.6 / 89.5).
 C_LO, C_HI = 0, 1     # row table columns: first / last visible key of each query row
-NCOL = 2
+NCOL = 2              # (packed plans: then, per slice tt of a slot, the last visible partition of
+                      # a masked packed tile, see row_table)
 
 
 @dataclass(frozen=True)
@@ -136,6 +151,11 @@ class MLAPlan(nl.NKIObject):
 
     def group_rows(self, g: int) -> int:
         return min(P, self.rows - g * P)
+
+    @property
+    def masked_packed(self) -> bool:
+        """Packed, with drafts (s_q > 1): a sequence's last tile, if full, packs masked."""
+        return self.nslot > 1 and self.s_q > 1
 
     @property
     def Ts(self) -> int:
@@ -193,6 +213,10 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_sca
     if kv_cache.dtype not in (nl.bfloat16, nl.float16) and not cfg.dequant:
         # FP8 used as stored (per-tensor scale): K^T by matmul with the identity
         ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)               # [128, 128]
+    elif cfg.nslot > 1 and nisa.get_nc_version() >= 4:
+        # packed tiles: part of K^T by identity matmuls (KT_MM_SLICES); built on chip, not
+        # loaded: a DMA of it queued ahead of the first latent tiles
+        ident = _identity()                                                   # [128, 128]
     if pid == 0:
         empty_rows(out, lse, cfg.seq_lens, cfg.rows, D_LATENT, cfg.out_dtype)
     run = _Run(q_nope, q_rope, kv_cache, block_table, rowtab, out, lse, parts_hbm, split, ident,
@@ -204,6 +228,15 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_sca
     return out
 
 
+def _identity():
+    """bf16 ``[128, 128]`` identity: ``p - c`` (GpSimd iota), then ``== 0`` (VectorE)."""
+    idx = nl.ndarray((P, P), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.iota(dst=idx, pattern=[[-1, P]], offset=0, channel_multiplier=1)
+    ident = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ident, data=idx, op0=nl.equal, operand0=0)
+    return ident
+
+
 class _Group:
     """One row group of one work item: Q^T, its row bounds, its softmax state."""
 
@@ -211,14 +244,16 @@ class _Group:
         self.g, self.r0, self.rows, self.qT, self.rt, self.sm = g, r0, rows, qT, rt, sm
         self.psm = psm                     # the packed slots' state (nslot > 1)
         self.stored = False                # out (and lse) written by stage_pv (store_last)
+        self.fold = None                   # the slots' fold weights (fold_exp's ctx), if early
 
 
 class _Job:
     """One (latent tile, row group) job between its pipeline stages."""
 
-    def __init__(self, it, grp, tile, k0, n, T, packed=False):
+    def __init__(self, it, grp, tile, k0, n, T, packed=False, masked=False):
         self.it, self.grp, self.tile, self.k0, self.n = it, grp, tile, k0, n
         self.packed = packed
+        self.masked = masked               # packed, and the drafts' diagonal cuts it (s_q > 1)
         self.npp = -(-n // T)              # partitions holding keys of this tile
         self.ncol = self.npp * T           # score columns (key k0 + c; c >= n masked)
         self.Pm = self.pT = self.alpha = self.O = None
@@ -301,10 +336,15 @@ class _Run:
                         fetch(jj)
                 ii, k0, n, last = tiles[j]
                 tile = loaded[j]
-                # packed: a full tile every row sees whole (an item's last tile holds the
-                # drafts' diagonal when s_q > 1, or is partial: one row layout)
+                # packed: a full tile; one the drafts' diagonal cuts (s_q > 1) too, masked
+                # per slice, if it ends the sequence (its bounds in the row table assume so);
+                # else (a partial last tile, or a full one before a few last keys) the row
+                # layout
                 L = cfg.seq_lens[mine[ii].b]
-                packed = cfg.nslot > 1 and n == lay.tile_keys and k0 + n - 1 <= L - cfg.s_q
+                masked = k0 + n - 1 > L - cfg.s_q
+                packed = (cfg.nslot > 1 and n == lay.tile_keys
+                          and (not masked or k0 + n == L))
+                masked = packed and masked
                 if g == 0:
                     if tile.raw:                           # FP8 to dequantize, not done yet
                         self.dequant(tile)
@@ -312,7 +352,7 @@ class _Run:
                     ahead = j + DEQ_AHEAD
                     if ahead in loaded and loaded[ahead].raw:
                         self.dequant(loaded[ahead])
-                state[ja] = _Job(mine[ii], groups[ii][g], tile, k0, n, lay.T, packed)
+                state[ja] = _Job(mine[ii], groups[ii][g], tile, k0, n, lay.T, packed, masked)
             jb = step - LAGS[1]
             if 0 <= jb < len(jobs):
                 job = state[jb]
@@ -380,8 +420,10 @@ class _Run:
                                   data=q_sb[0:width, dt * P:dt * P + dsz], engine=nisa.engine.tensor)
                 nisa.tensor_copy(dst=qT[0:dsz, dt, 0:width], src=tq[0:dsz, dt, 0:width],
                                  engine=nisa.engine.vector)
-            rt = nl.ndarray((P, NCOL), dtype=nl.float32, buffer=nl.sbuf)          # [rows, 2]
-            nisa.dma_copy(dst=rt[0:rows, :], src=self.rowtab[it.b, g, 0:rows, :],
+            # [rows, 2]; packed: [128 slot rows, 2 + Ts] (the masked tile's bounds)
+            nr, ncol = (P, NCOL + cfg.Ts) if cfg.masked_packed else (rows, NCOL)
+            rt = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=rt[0:nr, :], src=self.rowtab[it.b, g, 0:nr, :],
                           dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
             sm = SoftmaxState(rows, D_LATENT, 1.0, sum_in_o=False)
             psm = None
@@ -395,8 +437,14 @@ class _Run:
             if grp.stored:
                 continue
             sm = grp.sm
-            if grp.psm is not None:
-                fold_slots(grp.sm, grp.psm, self.cfg.nslot, self.cfg.W, grp.rows, self.sel)
+            if grp.psm is not None and grp.psm.started:   # (no tile packed: nothing to fold)
+                cfg = self.cfg
+                # the program's last item: o and l stay in the fold's PSUM, which the output
+                # division reads (no copy to SBUF)
+                ctx = grp.fold or fold_exp(
+                    grp.sm, fold_max(grp.sm, grp.psm, cfg.nslot, cfg.W, grp.rows), grp.rows)
+                fold_apply(grp.sm, grp.psm, ctx, grp.rows, self.sel,
+                           o_psum=it is self.final and it.n_parts == 1)
             if it.n_parts > 1 and it.part > 0:
                 k = self.split.index(it)
                 st = nl.ndarray((grp.rows, D_LATENT + 2), dtype=nl.float32, buffer=nl.sbuf)
@@ -431,7 +479,8 @@ class _Run:
         """The program's last item: lse and its store ahead of the o update (they need only m
         and l), then ``out = (o alpha + O) / l`` (``finalize_last``: the update an add to
         ScalarE's ``o alpha``; or, O None, o final already: packed slots folded), the division
-        split by columns over VectorE and ScalarE into one tile, one store."""
+        split by columns over VectorE and ScalarE into one tile (packed: on VectorE, from the
+        fold's PSUM), one store."""
         cfg = self.cfg
         if cfg.return_lse:
             l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -440,6 +489,10 @@ class _Run:
         o_sb = nl.ndarray((grp.rows, D_LATENT), dtype=cfg.out_dtype, buffer=nl.sbuf)
         h = D_LATENT // 2
         outs = [(o_sb[:, 0:h], 0, h, "vector"), (o_sb[:, h:D_LATENT], h, D_LATENT, "scalar")]
+        if grp.psm is not None:
+            # o in the fold's PSUM (finish): the halves would read one PSUM bank, which VectorE
+            # and ScalarE do not share at once; VectorE alone (modeled 0.1 us faster)
+            outs = [(o_sb, 0, D_LATENT, "vector")]
         grp.sm.finalize_last(O, alpha, outs, cfg.v_mul if cfg.v_mul != 1.0 else None, o_a)
         nisa.dma_copy(dst=self._rows(self.out, it.b, grp), src=o_sb)
         grp.stored = True
@@ -526,7 +579,7 @@ class _Run:
                 tp = nl.ndarray((P, t1 - t0, P), dtype=tp_dt, buffer=nl.psum)
                 for t in range(t0, t1):
                     src = c[0:npp, t, 0, dt * P:dt * P + dsz]
-                    if self.kt_fp8:
+                    if self.kt_fp8 or (packed and self.bg_transpose and t in KT_MM_SLICES):
                         nisa.nc_matmul(dst=tp[0:dsz, t - t0, 0:npp], stationary=src,
                                        moving=self.ident[0:npp, 0:npp])
                     else:
@@ -618,8 +671,11 @@ class _Run:
     # -- packed tiles (few rows: nslot PE column tiles side by side) -----------------------------
     def stage_softmax_packed(self, job):
         """Slot s scores its slices ``[s Ts, (s + 1) Ts)`` of a full tile against the rows
-        repeated in its PE column tile: ``S[s W + r, c]`` (no mask: a packed tile is full and
-        every row sees all of its keys)."""
+        repeated in its PE column tile: ``S[s W + r, c]``, column ``tt 128 + p`` key ``p T + s Ts
+        + tt``. No mask, except on a sequence's last tile when the drafts' diagonal cuts it
+        (s_q > 1): a row of draft i sees keys up to ``n - s_q + i``, which in slice t are the
+        partitions ``p <= (n - s_q + i - t) / T``, a prefix: one ``range_select`` per slice,
+        bounds from the row table (``row_table``)."""
         cfg = self.cfg
         W, Ts, kT = cfg.W, cfg.Ts, job.tile.kT
         grp = job.grp
@@ -635,10 +691,23 @@ class _Run:
             yield
         sm = grp.psm
         X = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar_reduce(dst=X, data=S, op0=nl.multiply, operand0=cfg.qk_mul,
-                                  reduce_op=nl.maximum, reduce_res=sm.max_slot())
+        if job.masked:
+            for tt in range(Ts):
+                Xt = X[:, tt * P:(tt + 1) * P]
+                # the scale on ScalarE (idle at a sequence's end), the mask on VectorE
+                nisa.activation(dst=Xt, op=nl.copy, data=S[:, tt * P:(tt + 1) * P],
+                                scale=cfg.qk_mul)
+                mask_range_select(Xt, Xt, grp.rt[:, C_LO:C_LO + 1],
+                                  grp.rt[:, NCOL + tt:NCOL + tt + 1], 0,
+                                  reduce_res=sm.max_slot())
+        else:
+            nisa.tensor_scalar_reduce(dst=X, data=S, op0=nl.multiply, operand0=cfg.qk_mul,
+                                      reduce_op=nl.maximum, reduce_res=sm.max_slot())
         Pm = nl.ndarray((P, ncol), dtype=nl.bfloat16, buffer=nl.sbuf)           # [slots, Ts 128]
-        job.alpha = sm.exp_block(Pm, X, defer_sum=True)
+        if self.bg_transpose:            # Trn3: VectorE exponentials (4x ScalarE's rate)
+            job.alpha = sm.exp_block_vector(Pm, X, defer_sum=True)
+        else:
+            job.alpha = sm.exp_block(Pm, X, defer_sum=True)
         job.Pm = Pm
 
     def stage_pT_packed(self, job):
@@ -659,8 +728,19 @@ class _Run:
                                accumulate=tt > 0, tile_position=(0, r0), tile_size=(P, W))
             yield
         job.pT = None
+        grp = job.grp
+        if job.it is self.final and job.k0 + job.n >= job.it.k1 and not grp.sm.started:
+            # the program's last tile, packed: the fold's weights need only the final maxima,
+            # so they go ahead of this tile's o update (VectorE's in-order queue; for earlier
+            # items VectorE has the next tiles' work to do, and this order was slower)
+            cfg = self.cfg
+            grp.fold = fold_exp(grp.sm, fold_max(grp.sm, grp.psm, cfg.nslot, cfg.W, grp.rows),
+                                grp.rows)
         job.grp.psm.flush_sum()         # the deferred l update (decode_attention's reason)
-        job.grp.psm.accumulate_o(O, job.alpha, mode="stt", copy_engine="vector")
+        # Trn3: o alpha on ScalarE, the PSUM add on VectorE (which now runs the exponentials)
+        tail = job.it is self.final and job.k0 + (STT_TAIL + 1) * self.lay.tile_keys > job.it.k1
+        mode = "split" if self.bg_transpose and not tail else "stt"
+        job.grp.psm.accumulate_o(O, job.alpha, mode=mode, copy_engine="vector")
 
     def _evict(self, dst, src):
         """PSUM -> SBUF copies spread over ScalarE (share EVICT_ACT) and VectorE (which also
@@ -825,13 +905,27 @@ def slots(rows: int, T: int):
 
 def row_table(plan: MLAPlan):
     """Per query row (``i H + h``) of every (sequence, row group): first visible key (-1: no
-    window) and last (``L - s_q + i``), fp32 ``[B, n_groups, 128, 2]``; unused rows see none."""
-    tab = np.full((plan.B, plan.n_groups, P, NCOL), -1.0, dtype=np.float32)
+    window) and last (``L - s_q + i``), fp32 ``[B, n_groups, 128, 2]``; unused rows see none.
+    Packed plans with drafts (``masked_packed``, one row group) add ``Ts`` columns for the
+    masked packed tile (a sequence's last, full, cut by the drafts' diagonal): on slot row
+    ``s W + r`` (draft ``i = r // H``), column ``2 + tt`` is the last partition whose key in
+    slice ``t = s Ts + tt`` the row sees, ``floor((128 T - s_q + i - t) / T)``; padding rows
+    (``r >= rows``) see all."""
+    ncol = NCOL + (plan.Ts if plan.masked_packed else 0)
+    tab = np.full((plan.B, plan.n_groups, P, ncol), -1.0, dtype=np.float32)
     r = np.arange(plan.rows)
     for b, L in enumerate(plan.seq_lens):
         hi = (L - plan.s_q + r // plan.H).astype(np.float32)
-        flat = tab[b].reshape(plan.n_groups * P, NCOL)
+        flat = tab[b].reshape(plan.n_groups * P, ncol)
         flat[0:plan.rows, C_HI] = hi
+    if plan.masked_packed:
+        T, Ts, W = plan.layout.T, plan.Ts, plan.W
+        q = np.arange(P)
+        s, rr = q // W, q % W
+        for tt in range(Ts):
+            t = s * Ts + tt
+            bound = (P * T - plan.s_q + rr // plan.H - t) // T
+            tab[:, 0, :, NCOL + tt] = np.where(rr < plan.rows, bound, P).astype(np.float32)
     return tab
 
 

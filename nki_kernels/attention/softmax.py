@@ -225,6 +225,20 @@ class SoftmaxState:
             self.update_sum(rowsum, alpha)
         return alpha
 
+    def exp_block_vector(self, p_dst, x_src, defer_sum=False):
+        """:meth:`exp_block` with the exponentials on VectorE (Trn3 ``exponential``, 4x
+        ScalarE's rate; needs xmul == 1, the scores scaled already): no bias tile, and the max,
+        the exponentials and alpha stay on one engine (no ScalarE hop on the softmax's chain)."""
+        self.combine_max()
+        rowsum = self.exp_rows([(p_dst, x_src)], "vector", with_sum=True)
+        alpha = self.rescale_factor("vector")
+        self.mark_started()
+        if defer_sum:
+            self.pending_sums.append((rowsum, alpha))
+        else:
+            self.update_sum(rowsum, alpha)
+        return alpha
+
     def flush_sum(self):
         """Apply the oldest deferred ``l`` update of :meth:`exp_block`."""
         self.update_sum(*self.pending_sums.pop(0))
