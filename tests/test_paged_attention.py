@@ -285,6 +285,41 @@ def test_chunk_kT_straight_from_pages(tgt, bs, d):
                                                  # one per q-tile
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_chunk_band_mask_by_matmul_and_fp8_v_in_pv(tgt, fp8):
+    """Chunk rows (causal, no window or soft-cap) mask each q-tile's diagonal band by one matmul of
+    the identity with the 0 / -big bias tile, accumulated onto the scores: no range_select, no
+    row-bound iotas; a q-tile of one block divides its PV result straight out of PSUM (no o copy
+    to SBUF). FP8 pages: V goes into PV as FP8 (no cast of V), K^T comes from one hardware-DGE
+    transpose per 128-key tile of 16-partition bf16 copies (docs/attention.md, "Paged attention",
+    "Where the time goes")."""
+    from nki_kernels.emulator.trace import trace
+    rng = np.random.default_rng(32)
+    Hq, L, S, d = 2, 300, 384, 128               # 3 q-tiles per head, one block each
+    kw = dict(kv_dtype=FP8[tgt]) if fp8 else {}
+    b = build(rng, [L], [S], Hq, 1, d, 64, **kw)
+    scales = dict(k_scale=0.05, v_scale=0.05) if fp8 else {}
+    with trace() as t:
+        _run(b, **scales)
+    assert not [i for i in t if i.opcode in ("range_select", "iota")]
+    bias = [i for i in t if i.opcode == "affine_select"]
+    assert len(bias) == 1
+    band = [i for i in t if i.opcode == "nc_matmul" and i.reads[1].alloc == bias[0].writes[0].alloc]
+    assert len(band) == 3 * Hq, len(band)        # one band per q-tile and head
+    assert all(i.attrs["accumulate"] for i in band)
+    o_copies = [i for i in t if i.opcode == "tensor_copy" and i.reads[0].buffer == "psum"
+                and i.reads[0].shape[-1] == d + 1]
+    assert not o_copies
+    recips = [i for i in t if i.opcode == "reciprocal"]
+    assert len(recips) == 3 * Hq and all(i.reads[0].buffer == "psum" for i in recips)
+    if fp8:
+        pv = [i for i in t if i.opcode == "nc_matmul" and i.reads[1].shape[-1] == d + 1]
+        assert pv and all(i.attrs["mov_dtype"] == np.dtype(FP8[tgt]).name for i in pv)
+        kT = [i for i in t if i.opcode == "dma_transpose" and i.reads[0].on_chip
+              and i.reads[0].shape[0] == 16]
+        assert len(kT) == S // 128 and all(i.attrs["dge"] == "hwdge" for i in kT)
+
+
 def test_decodes_match_decode_attention(tgt):
     """A batch of decodes (s_q = 1, then s_q = 3 drafts) = decode_attention on the same paged
     cache and table."""

@@ -29,8 +29,8 @@ from .._limits import P, sbuf_budget
 from .._validate import array_like, check_flag, check_lnc, check_no_grad, check_target
 from .._validate import dtype_name as _dtype_name
 from ..backend import launch, lnc_programs, nisa, nki, nl
-from .masks import MaskSpec, mask_range_select, row_bounds
-from .schedule import assign_programs, gqa_heads, kv_chunks, prefill_units
+from .masks import FP32_MIN, MaskSpec, mask_range_select, row_bounds
+from .schedule import Segment, assign_programs, gqa_heads, kv_chunks, prefill_units
 from .softmax import SoftmaxState
 
 HEAD_DIMS = (64, 128, 192, 256)
@@ -90,6 +90,20 @@ class FlashAttentionPlan(nl.NKIObject):
     x_sbuf: bool
     lags: tuple
     v_scale: float = 0.0      # FP8 V (paged_attention): o = v_scale * softmax V; 0 = none
+    # paged_attention's options (paged_attention.chunk_options; off here, so flash attention's
+    # own instructions are unchanged):
+    diag_bias: bool = False   # causal without window / soft-cap: the diagonal band's mask is
+                              # one matmul (identity x a [rows, 256] bias tile of 0 / -big)
+                              # accumulated onto the scores, so the whole block leaves PSUM in
+                              # the fused scale + max pass (no scale pass, no range_select)
+    final_psum: bool = False  # a q-tile with one block (and no sink) divides its PV result
+                              # straight out of PSUM (no o copy to SBUF)
+    te_tail: int = 0          # the chunk's last te_tail blocks make P^T on TensorE only (a DMA
+                              # transpose's latency would stretch the kernel's end)
+
+    @property
+    def bias_mask(self) -> bool:
+        return self.diag_bias and self.causal and not self.window and not self.softcap
 
     @property
     def xmul(self) -> float:
@@ -255,7 +269,9 @@ def run_kv_group(q, out, lse, sinks, hbm_state, ident, spec, chunks, units, Hq, 
 
     ``q``, ``out``, ``lse``, ``hbm_state`` are indexed ``[b, h, rows, ...]`` (views of a ragged
     layout work as well); ``load_kv(c0, c1)`` issues the loads of keys ``[c0, c1)`` and returns
-    ``(K^T [128, DT, C], V_aug [128, C/128, d+1])`` as :func:`_load_kv` lays them out.
+    ``(K^T [128, DT, C], V_aug [128, C/128, d+1])`` as :func:`_load_kv` lays them out, or with a
+    third item ``need(c)``, called before each QK^T with the end ``c`` of the chunk keys it
+    reads (paged_attention's FP8 pages finish K^T on GpSimd as the blocks need it).
     ``store_each``: the last Q^T batch of each chunk stores every q-tile as it ends (one output
     DMA each), so only the last q-tile's store follows the last PV (paged_attention's 2K chunk
     over 0, Trn3: the 8-tile store took 4.5 us after it, one tile's 1.7 us; 114.0 -> 111.3 us
@@ -272,7 +288,8 @@ def run_kv_group(q, out, lse, sinks, hbm_state, ident, spec, chunks, units, Hq, 
         ctx = _Chunk(q, out, lse, sinks, hbm_state, ident, ci, c0, spec, d, DT, cfg)
         ctx.store_each = store_each
         ctx.plan_work([(u, h) for h in gqa_heads(Hq, Hkv, hk) for u in cu])
-        ctx.kT, ctx.vs = load_kv(c0, c1)       # DMA queues are FIFO: Q^T batch 0 goes first
+        ctx.kT, ctx.vs, *need = load_kv(c0, c1)    # DMA queues are FIFO: Q^T batch 0 goes first
+        ctx.need = need[0] if need else None
         ctx.run()
         del ctx                     # free its SBUF/PSUM before the next chunk allocates
 
@@ -381,6 +398,10 @@ class _Chunk:
         self.next_tp = 0
         self.next_o = 0
         self.store_each = False
+        self.need = None
+        self.bias = None
+        if cfg.bias_mask:
+            self.bias = _diag_bias(cfg.scale)
 
     # ---------------------------------------------------------------- driver
     def plan_work(self, work):
@@ -406,6 +427,8 @@ class _Chunk:
                 for j, blk in enumerate(un.visit.blocks):
                     jobs.append(_Job(un, blk, j == 0, j == nb - 1))
         self.jobs = jobs
+        for i, job in enumerate(jobs):
+            job.tail = i >= len(jobs) - self.cfg.te_tail
         for a in range(Q_PREFETCH):
             self._load_batch(a)
 
@@ -460,6 +483,8 @@ class _Chunk:
         hw = min(HALF, kw - h0)
         kk0 = blk.k0 - self.c0 + h0
         q_off = un.u.q0 - un.batch.r0
+        if self.need is not None:
+            self.need(kk0 + hw)
         S = self.s_bufs[self.next_s % len(self.s_bufs)]                            # [128, 1024]
         self.next_s += 1
         for n0 in range(0, hw, cfg.mm_n):
@@ -469,6 +494,22 @@ class _Chunk:
                 nisa.nc_matmul(dst=S[0:rows, n0:n0 + nn],
                                stationary=un.batch.qT[0:dc, c, q_off:q_off + rows],
                                moving=self.kT[0:dc, c, kk0 + n0:kk0 + n0 + nn], accumulate=(c > 0))
+        if self.bias is not None:
+            # the causal band: S[i, col] += bias[i, 128 + t], t = key - pos(row 0) (1 <= t <=
+            # rows: the band starts after row 0's key and ends at the last row's), -big where
+            # t > i: row i does not see the key
+            # (split where the QK^T matmuls are: one PSUM bank per matmul on Trn2)
+            pos0 = un.u.q0 + self.spec.offset
+            for sg in blk.masked:
+                a = max(sg.c0, h0)
+                while a < min(sg.c1, h0 + hw):
+                    z = min(sg.c1, h0 + hw, h0 + (a - h0) // cfg.mm_n * cfg.mm_n + cfg.mm_n)
+                    t0 = blk.k0 + a - pos0
+                    nisa.nc_matmul(dst=S[0:rows, a - h0:z - h0],
+                                   stationary=self.ident[0:rows, 0:rows],
+                                   moving=self.bias[0:rows, P + t0:P + t0 + z - a],
+                                   accumulate=True)
+                    a = z
         job.halves.append((h0, hw, S))
 
     def _start_unit(self, un):
@@ -521,6 +562,8 @@ class _Chunk:
         st, rows, kw = un.st, un.rows, blk.width
         p_sb = nl.ndarray((rows, kw), dtype=nl.bfloat16, buffer=nl.sbuf)          # [rows, kw]
         full, masked = blk.full, blk.masked
+        if self.bias is not None:      # the band's mask is in the scores already
+            full, masked = (Segment(0, kw, False),), ()
         if cfg.scores_in_sbuf:
             # X = logits in SBUF (fp32): scale (or tanh soft-cap) applied on the way out of PSUM
             X = nl.ndarray((rows, kw), dtype=nl.float32, buffer=nl.sbuf)           # [rows, kw]
@@ -624,7 +667,7 @@ class _Chunk:
         for h0 in range(0, kw, HALF):
             hw = min(HALF, kw - h0)
             t0, ntt = h0 // P, -(-hw // P)
-            use_dma = _bresenham(self.n_halves, cfg.dma_tr_frac)
+            use_dma = _bresenham(self.n_halves, cfg.dma_tr_frac) and not job.tail
             self.n_halves += 1
             if use_dma and hw % P == 0:
                 # SBUF -> SBUF DMA transpose: [rows, ntt, 128] -> [128, ntt, rows]
@@ -668,7 +711,11 @@ class _Chunk:
 
     def _pv_finish(self, job):
         un = job.unit
-        un.st.accumulate_o(job.o_ps, job.alpha, mode=self.cfg.o_update, copy_engine="vector")
+        if (self.cfg.final_psum and job.first and job.last and un.last_chunk
+                and un.st.o is None):
+            un.st.o = job.o_ps        # o = P @ V_aug of the only block: finalize reads PSUM
+        else:
+            un.st.accumulate_o(job.o_ps, job.alpha, mode=self.cfg.o_update, copy_engine="vector")
         del job.pT, job.o_ps
         if job.last:
             self._end_unit(un)
@@ -734,6 +781,19 @@ class _Chunk:
                 nisa.dma_copy(dst=dl, src=bt.lse_stage[:, i0:i0 + n])
         if free:
             bt.o_stage = bt.lse_stage = None
+
+
+def _diag_bias(scale):
+    """[128, 256] bf16 SBUF: column x is the causal mask of the key at offset t = x - 128 from
+    row 0's position: 0 where t <= p (row p sees it), else -big (below any logit by far, and
+    finite after the scale, so exp gives 0 and the row max stays finite: every causal row sees
+    a key in its first block). GpSimd memset + affine_select, once per KV chunk."""
+    big = FP32_MIN * 0.5 / max(1.0, scale)
+    bias = nl.ndarray((P, 2 * P), dtype=nl.bfloat16, buffer=nl.sbuf)        # [128, 256]
+    nisa.memset(dst=bias, value=0.0, engine=nisa.engine.gpsimd)
+    nisa.affine_select(dst=bias, pattern=[[-1, 2 * P]], channel_multiplier=1, on_true_tile=bias,
+                       on_false_value=big, cmp_op=nl.greater_equal, offset=P)
+    return bias
 
 
 def _chain(f, g):

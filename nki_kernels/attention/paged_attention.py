@@ -18,9 +18,12 @@ No new attention code: each request takes the path built for its shape.
   whole-tile causal skipping, the four-stage software pipeline) on views of the ragged rows, with
   K^T / V loaded from the paged cache one page at a time (a scalar dynamic offset read from the
   block table in SBUF addresses each page; no gather descriptors): K^T by a DMA transpose
-  straight from each page, V (keys on partitions) by hardware-DGE DMAs from ScalarE. FP8 pages
-  land raw, GpSimd casts them to bf16 and K^T comes from SBUF->SBUF DMA transposes; ``k_scale``
-  folds into the logit scale of its KV head, ``v_scale`` into the final normalisation.
+  straight from each page, V (keys on partitions) by hardware-DGE DMAs from ScalarE. FP8 V goes
+  into PV as FP8 (TensorE takes mixed bf16 / FP8 inputs); FP8 K lands raw, GpSimd casts it and
+  one DMA transpose per 128-key tile makes K^T, as the blocks need it. ``k_scale`` folds into
+  the logit scale of its KV head, ``v_scale`` into the final normalisation. Paged-only options
+  of the prefill tiles (:func:`chunk_options`): the causal band masked by a bias matmul, one-
+  block q-tiles finalized from PSUM, short chunks' P^T / pipeline choices.
 
 :func:`plan_paged_attention` is the host schedule (which request takes which path, the decode KV
 tile and split-KV items, each chunk's resident KV span), a function of the lengths and shapes
@@ -49,7 +52,7 @@ from .._validate import (
 )
 from ..backend import launch, lnc_programs, nisa, nki, nl
 from .decode_attention import NCOL, DecodePlan, _Run, decode_schedule, row_table, slot_width
-from .flash_attention import plan_flash_attention, run_kv_group
+from .flash_attention import SHORT_KV, plan_flash_attention, run_kv_group
 from .kv_cache import BLOCK_SIZES, KVLayout
 from .masks import MaskSpec
 from .schedule import assign_programs, kv_chunks, prefill_units
@@ -57,7 +60,8 @@ from .split_kv import merge_split, split_parts
 
 HEAD_DIMS = (64, 128, 192, 256)
 DECODE_MAX_Q = 8          # longest q_len that takes the decode path (decode_attention's s_q limit)
-KV_PIECE = 8              # 128-key tiles per FP8 K^T transpose group
+G16 = 16                 # keys per group of the hardware-DGE DMA transpose's 4-D form
+KV_PIECE = 8              # 128-key tiles per cast and K^T transpose (Trn2 FP8, several spans)
 _Q_DTYPES = ("bfloat16", "float16")
 
 
@@ -218,6 +222,26 @@ def plan_paged_attention(seq_lens, query_start_loc, block_size, num_q_heads, num
                               decode=tuple(decode), chunks=tuple(chunks))
 
 
+def chunk_options(gen, seq_len):
+    """flash attention's paged-only options for a chunk request (modeled, Trn3, Llama-3-8B
+    2K chunk over 0, bf16: 105.8 -> 90.3 us, all from these):
+
+    * ``diag_bias``: the causal band's mask is one matmul (identity x a 0 / -big bias tile)
+      accumulated onto the scores, so the band leaves PSUM in the fused scale + max eviction:
+      no ScalarE scale pass and VectorE ``range_select`` per diagonal tile, no GpSimd row bounds
+      (105.8 -> 100.2 us; over 8K 627.9 -> 621.0);
+    * ``final_psum``: a q-tile with one block (every q-tile of a chunk of <= 2048 keys) divides
+      its PV result straight out of PSUM, without the o copy to SBUF (100.2 -> 93.3 with both);
+    * chunks of <= SHORT_KV keys on Trn3 (latency-bound): half of the P^T halves by DMA
+      transpose instead of a quarter (93.3 -> 92.2), the last two blocks' P^T on TensorE, whose
+      transposes end sooner than a DMA's (-> 91.2), and PV one step later
+      (``lags = (0, 1, 4, 6)``: -> 90.3; (0, 1, 3, 6) 91.1, (0, 1, 4, 7) 91.3)."""
+    opts = dict(diag_bias=True, final_psum=True)
+    if gen >= 4 and seq_len <= SHORT_KV:
+        opts.update(dma_tr_frac=0.5, te_tail=2, lags=(0, 1, 4, 6))
+    return opts
+
+
 def _resident_keys(gen, d, seq_len, isz):
     """Keys of one KV head kept resident in SBUF per pass of a chunk request: flash attention's
     choice for this length, planned with the options that need the most SBUF (soft-cap, sinks,
@@ -292,7 +316,7 @@ def paged_attention_kernel(q, k_cache, v_cache, block_table, rowtab, sinks, cfg)
       for decode class c (requests with q_len = s_q): decode_attention's pipeline over this
         program's split-KV items, q / o rows at the requests' query_start_loc
       for chunk request r: for KV head hk: for resident span [c0, c1) of its keys:
-        K^T, V_aug <- its pages (one dynamic-offset DMA per page; FP8: cast, then DMA transpose)
+        K^T, V_aug <- its pages (one dynamic-offset DMA per page; FP8: V raw, K cast + transposed)
         flash attention's q-tile x 2048-key blocks (causal, end-aligned) over the span
       [LNC=2: barrier; the owners merge the split decode parts]
     """
@@ -347,10 +371,11 @@ def _chunk_request(q, k_cache, v_cache, block_table, sinks, out, lse, ident, ch,
         run_kv_group(q4, o4, l4, sinks, hbm_state, ident, spec, chunks,
                      [u for u in mine if u.kv_head == hk], Hq, Hkv, d, fp,
                      lambda c0, c1, hk=hk: _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1,
-                                                          q.dtype, cfg), store_each=True)
+                                                          q.dtype, cfg, len(chunks) > 1),
+                     store_each=True)
 
 
-def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
+def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg, spans=False):
     """Keys [c0, c1) of KV head ``hk`` of one request from its pages, laid out as flash
     attention's ``_load_kv``: K^T [128, DT, C] (d on partitions) and V_aug [128, C/128, d+1]
     (key c0 + 128 t + p on partition p of tile t; column d = 1).
@@ -363,10 +388,13 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
     stores, whose transfers (all triggered at the start) used to sit ahead of the K^T of the
     first tiles: on the 2K chunk over 0 the first QK^T started at 25 us, behind every page load
     and the staged K's SBUF->SBUF transposes (modeled, Trn3: 129.1 -> 105.8 us; over 8K 656.6 ->
-    627.9 us). FP8 pages land raw (a DMA that casts cannot use the hardware DGE, nki-spec 5.3: a
-    dynamically addressed one would need the software DGE), GpSimd casts them to bf16, and K^T is
-    made by SBUF->SBUF DMA transposes of KV_PIECE staged tiles at a time. ``c0`` is a multiple of
-    the block size: pages never straddle a span."""
+    627.9 us). FP8 pages: :func:`_load_kv_pages_fp8` (on Trn2, a request that takes more than
+    one resident span, ``spans``: :func:`_load_kv_pages_staged`). ``c0`` is a multiple of the
+    block size: pages never straddle a span."""
+    if cfg.fp8 and spans and int(nisa.get_nc_version()) < 4:
+        return _load_kv_pages_staged(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg)
+    if cfg.fp8:
+        return _load_kv_pages_fp8(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg)
     d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
     DT = -(-d // P)
     C = c1 - c0
@@ -375,20 +403,135 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
     kT = nl.ndarray((P, DT, C), dtype=dtype, buffer=nl.sbuf)                  # [128, DT, C]
     vs = nl.ndarray((P, nt, d + 1), dtype=dtype, buffer=nl.sbuf)              # [128, nt, d+1]
     nisa.memset(dst=vs[:, :, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
-    staged = cfg.fp8                     # FP8: K staged, cast, then transposed in SBUF
-    kst = k_in = None
-    if staged:
-        kst = nl.ndarray((P, nt, d), dtype=dtype, buffer=nl.sbuf)             # [128, nt, d]
-        k_in = kst
-    v_in = vs[:, :, 0:d]
-    if cfg.fp8:           # raw FP8 pages (a casting DMA needs the software DGE), cast on GpSimd
-        k_in = nl.ndarray((P, nt, d), dtype=k_cache.dtype, buffer=nl.sbuf)    # [128, nt, d]
-        v_in = nl.ndarray((P, nt, d), dtype=v_cache.dtype, buffer=nl.sbuf)
-    # V on ScalarE's hardware-DGE ring (the DGE holds 600 ns per page; ScalarE is idle while
-    # the first pages load). FP8 keeps the static ring: its raw V tile waits for SBUF (raw and
-    # bf16 copies), and an in-order ScalarE trigger waiting for it stalls the softmax (chunk over
-    # 32K, Trn3: 2314.7 -> 2370.6 us with it)
-    vkw = {} if staged else dict(dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
+    kp = k_cache.reshape((k_cache.shape[0], bs * row))                        # [num_blocks, page]
+    vp = v_cache.reshape((v_cache.shape[0], bs * row))
+    for j in range(c0 // bs, -(-c1 // bs)):
+        reg = bt_sb[0:1, j:j + 1]
+        base = j * bs - c0
+        for s0 in range(0, min(bs, C - base), P):
+            m = min(P, bs - s0, C - base - s0)
+            t, p0 = (base + s0) // P, (base + s0) % P
+            off = (s0 * Hkv + hk) * d
+            _page_kT(kT, kp, reg, off, base + s0, m, d, row)
+            # V on ScalarE's hardware-DGE ring (the DGE holds 600 ns per page; ScalarE is idle
+            # while the first pages load)
+            nisa.dma_copy(dst=vs[p0:p0 + m, t, 0:d], src=vp.ap(
+                [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0),
+                dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
+    return kT, vs
+
+
+def _load_kv_pages_fp8(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
+    """:func:`_load_kv_pages` for FP8 pages. V_aug stays FP8: PV multiplies bf16 P^T by FP8 V
+    (TensorE takes mixed fp8 / bf16 inputs; the bf16 value of an FP8 number is exact), so V
+    needs no cast. A DMA transpose does not cast, so K^T is made per 128-key tile from a bf16
+    copy: raw K lands in the hardware-DGE transpose's 4-D source layout (key 16 b + a of tile t
+    on partition 16 (t % 8) + a, group b: 16-partition blocks, so 8 tiles side by side), GpSimd
+    casts the tiles, one DMA transpose per tile from Sync writes K^T
+    ([16, 1, 8, dc] -> [dc, 1, 8, 16]). The casts and transposes of a tile are issued with the
+    first QK^T that reads it (the returned ``need``): issued up front, GpSimd's in-order queue
+    held every q-tile's softmax set-up behind the last page's cast (modeled, Trn3, 2K chunk over
+    0: 126.4 us with staged K, casts of 8 tiles and SBUF->SBUF transposes on the static ring).
+    Raw K goes by the static ring. A 16-key group the request's
+    keys only partly fill (its last keys; 8-key pages) loads and transposes on its own rows."""
+    d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
+    DT = -(-d // P)
+    C = c1 - c0
+    nt = -(-C // P)
+    NB = P // G16
+    row = Hkv * d
+    kT = nl.ndarray((P, DT, C), dtype=dtype, buffer=nl.sbuf)                  # [128, DT, C]
+    vs = nl.ndarray((P, nt, d + 1), dtype=v_cache.dtype, buffer=nl.sbuf)      # [128, nt, d+1]
+    nisa.memset(dst=vs[:, :, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
+    k8 = nl.ndarray((P, -(-nt // 8), NB, d), dtype=k_cache.dtype,             # [128, nt/8, 8, d]
+                    buffer=nl.sbuf)
+    kb = nl.ndarray((P, -(-nt // 8), NB, d), dtype=dtype, buffer=nl.sbuf)     # [128, nt/8, 8, d]
+    kp = k_cache.reshape((k_cache.shape[0], bs * row))                        # [num_blocks, page]
+    vp = v_cache.reshape((v_cache.shape[0], bs * row))
+    # V of the first span on ScalarE's hardware DGE; later spans' tiles wait for SBUF the span
+    # before them holds, and an in-order ScalarE trigger waiting there stalls the softmax (chunk
+    # over 32K, Trn3: 2321.5 us with every span's V there, 2253.8 with the first only)
+    vkw = dict(dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar) if c0 == 0 else {}
+    for j in range(c0 // bs, -(-c1 // bs)):
+        reg = bt_sb[0:1, j:j + 1]
+        base = j * bs - c0
+        for s0 in range(0, min(bs, C - base), P):
+            m = min(P, bs - s0, C - base - s0)
+            t, p0 = (base + s0) // P, (base + s0) % P
+            off = (s0 * Hkv + hk) * d
+            g, t8 = G16 * (t % 8), t // 8
+            k = 0
+            while k < m:      # whole 16-key groups in one DMA, a partial group on its own rows
+                a, b = (p0 + k) % G16, (p0 + k) // G16
+                if a == 0 and m - k >= G16:
+                    n = (m - k) // G16 * G16
+                    dst, pat = k8[g:g + G16, t8, b:b + n // G16, :], [[row, G16],
+                                                                     [G16 * row, n // G16]]
+                else:
+                    n = min(m - k, G16 - a)
+                    dst, pat = k8[g + a:g + a + n, t8, b, :], [[row, n]]
+                nisa.dma_copy(dst=dst, src=kp.ap(pat + [[1, d]], offset=off + k * row,
+                                                 scalar_offset=reg, indirect_dim=0))
+                k += n
+            nisa.dma_copy(dst=vs[p0:p0 + m, t, 0:d], src=vp.ap(
+                [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0), **vkw)
+    done = [0]
+    full = C // P                                   # tiles of 128 keys
+
+    def need(c):
+        """Cast and transpose the tiles holding chunk keys below ``c`` (once each)."""
+        want = min(nt, -(-c // P))
+        t = done[0]
+        while t < want:
+            t8 = t // 8
+            e = min(want, (t8 + 1) * 8)              # tiles of one 16-partition block row
+            ef = min(e, full)
+            if ef > t:
+                nisa.tensor_copy(dst=kb[G16 * (t % 8):G16 * ((ef - 1) % 8 + 1), t8, :, :],
+                                 src=k8[G16 * (t % 8):G16 * ((ef - 1) % 8 + 1), t8, :, :],
+                                 engine=nisa.engine.gpsimd)
+            for u in range(t, e):
+                g, w = G16 * (u % 8), min(P, C - u * P)
+                nf, r = w // G16, w % G16
+                if u >= full:                        # the last, partial tile
+                    if nf:
+                        nisa.tensor_copy(dst=kb[g:g + G16, t8, 0:nf, :],
+                                         src=k8[g:g + G16, t8, 0:nf, :], engine=nisa.engine.gpsimd)
+                    if r:
+                        nisa.tensor_copy(dst=kb[g:g + r, t8, nf, :], src=k8[g:g + r, t8, nf, :],
+                                         engine=nisa.engine.gpsimd)
+                for c_ in range(DT):
+                    dc, k0 = min(P, d - c_ * P), u * P
+                    if nf:
+                        nisa.dma_transpose(
+                            dst=kT[0:dc, c_, k0:k0 + nf * G16].reshape((dc, 1, nf, G16)),
+                            src=kb[g:g + G16, t8:t8 + 1, 0:nf, c_ * P:c_ * P + dc],
+                            dge_mode=nisa.dge_mode.hwdge)
+                    if r:
+                        nisa.dma_transpose(dst=kT[0:dc, c_, k0 + nf * G16:k0 + w],
+                                           src=kb[g:g + r, t8, nf, c_ * P:c_ * P + dc])
+            t = e
+        done[0] = max(done[0], want)
+
+    return kT, vs, need
+
+
+def _load_kv_pages_staged(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
+    """FP8 pages as before 2026-11-29, kept for Trn2 requests over several resident spans (the
+    chunk over 32K: 3703.7 us this way, 3707.6 with :func:`_load_kv_pages_fp8`; modeled): raw K
+    and V on the static ring, GpSimd casts both to bf16 every KV_PIECE tiles, K^T by SBUF->SBUF
+    DMA transposes of those tiles."""
+    d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
+    DT = -(-d // P)
+    C = c1 - c0
+    nt = -(-C // P)
+    row = Hkv * d
+    kT = nl.ndarray((P, DT, C), dtype=dtype, buffer=nl.sbuf)                  # [128, DT, C]
+    vs = nl.ndarray((P, nt, d + 1), dtype=dtype, buffer=nl.sbuf)              # [128, nt, d+1]
+    nisa.memset(dst=vs[:, :, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
+    kst = nl.ndarray((P, nt, d), dtype=dtype, buffer=nl.sbuf)                 # [128, nt, d]
+    k8 = nl.ndarray((P, nt, d), dtype=k_cache.dtype, buffer=nl.sbuf)          # [128, nt, d]
+    v8 = nl.ndarray((P, nt, d), dtype=v_cache.dtype, buffer=nl.sbuf)          # [128, nt, d]
     kp = k_cache.reshape((k_cache.shape[0], bs * row))                        # [num_blocks, page]
     vp = v_cache.reshape((v_cache.shape[0], bs * row))
     done_t = 0
@@ -400,21 +543,31 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
             m = min(P, bs - s0, C - base - s0)
             t, p0 = (base + s0) // P, (base + s0) % P
             off = (s0 * Hkv + hk) * d
-            if staged:
-                nisa.dma_copy(dst=k_in[p0:p0 + m, t, :], src=kp.ap(
+            for dst, src in ((k8, kp), (v8, vp)):
+                nisa.dma_copy(dst=dst[p0:p0 + m, t, :], src=src.ap(
                     [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0))
-            else:
-                _page_kT(kT, kp, reg, off, base + s0, m, d, row)
-            nisa.dma_copy(dst=v_in[p0:p0 + m, t, :], src=vp.ap(
-                [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0), **vkw)
-        if not staged:
-            continue
         ready = min(C, base + bs) // P              # whole tiles staged so far
         last = j == last_page
         if ready - done_t >= KV_PIECE or last:
-            if cfg.fp8:
-                _cast_tiles(kst, vs, k_in, v_in, done_t, ready, C if last else ready * P, d)
-            _stage_kT(kT, kst, done_t, ready, C, d, DT, last)
+            c_end = C if last else ready * P
+            for dst, src in ((kst, k8), (vs, v8)):
+                if ready > done_t:
+                    nisa.tensor_copy(dst=dst[:, done_t:ready, 0:d], src=src[:, done_t:ready, :],
+                                     engine=nisa.engine.gpsimd)
+                r = c_end - ready * P
+                if 0 < r < P:
+                    nisa.tensor_copy(dst=dst[0:r, ready, 0:d], src=src[0:r, ready, :],
+                                     engine=nisa.engine.gpsimd)
+            for c in range(DT):
+                dc = min(P, d - c * P)
+                if ready > done_t:
+                    n = ready - done_t
+                    nisa.dma_transpose(dst=kT[0:dc, c, done_t * P:ready * P].reshape((dc, n, P)),
+                                       src=kst[:, done_t:ready, c * P:c * P + dc])
+                r = C - ready * P
+                if last and 0 < r < P:
+                    nisa.dma_transpose(dst=kT[0:dc, c, ready * P:C],
+                                       src=kst[0:r, ready, c * P:c * P + dc])
             done_t = ready
     return kT, vs
 
@@ -428,40 +581,15 @@ def _page_kT(kT, kp, reg, off, k0, m, d, row):
     for c in range(-(-d // P)):
         dc = min(P, d - c * P)
         dst = kT[0:dc, c, k0:k0 + m]
-        if m % 16 == 0:
-            nisa.dma_transpose(dst=dst.reshape((dc, 1, m // 16, 16)),
-                               src=kp.ap([[row, 16], [m * row, 1], [16 * row, m // 16], [1, dc]],
+        if m % G16 == 0:
+            nisa.dma_transpose(dst=dst.reshape((dc, 1, m // G16, G16)),
+                               src=kp.ap([[row, G16], [m * row, 1], [G16 * row, m // G16],
+                                          [1, dc]],
                                          offset=off + c * P, scalar_offset=reg, indirect_dim=0),
                                dge_mode=nisa.dge_mode.hwdge)
         else:
             nisa.dma_transpose(dst=dst, src=kp.ap([[row, m], [1, dc]], offset=off + c * P,
                                                   scalar_offset=reg, indirect_dim=0))
-
-
-def _cast_tiles(kst, vs, k8, v8, t0, t1, c_end, d):
-    """FP8 K / V tiles [t0, t1) (and the keys of a partial tile up to ``c_end``) to bf16
-    (GpSimd, otherwise idle in the prefill tiles)."""
-    for dst, src in ((kst, k8), (vs, v8)):
-        if t1 > t0:
-            nisa.tensor_copy(dst=dst[:, t0:t1, 0:d], src=src[:, t0:t1, :],
-                             engine=nisa.engine.gpsimd)
-        r = c_end - t1 * P
-        if 0 < r < P:
-            nisa.tensor_copy(dst=dst[0:r, t1, 0:d], src=src[0:r, t1, :], engine=nisa.engine.gpsimd)
-
-
-def _stage_kT(kT, kst, t0, t1, C, d, DT, last):
-    """K^T of staged tiles [t0, t1) (and, with ``last``, the partial tile past them): SBUF->SBUF
-    DMA transposes ([128 keys, n, dc] -> [dc, n, 128])."""
-    for c in range(DT):
-        dc = min(P, d - c * P)
-        if t1 > t0:
-            n = t1 - t0
-            dst = kT[0:dc, c, t0 * P:t1 * P].reshape((dc, n, P))
-            nisa.dma_transpose(dst=dst, src=kst[:, t0:t1, c * P:c * P + dc])
-        r = C - t1 * P
-        if last and 0 < r < P:
-            nisa.dma_transpose(dst=kT[0:dc, c, t1 * P:C], src=kst[0:r, t1, c * P:c * P + dc])
 
 
 # ---------------------------------------------------------------------------------------- op
@@ -561,7 +689,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                                     softcap=softcap, scale=scale, has_sinks=sk is not None,
                                     return_lse=bool(return_lse), k_layout="bhsd",
                                     out_dtype=out_dtype, sbuf_budget=sbuf_budget(),
-                                    chunk=ch.chunk)
+                                    chunk=ch.chunk, **chunk_options(gen, ch.seq_len))
         if ks is None and vs is None:
             cplans.append((base,))
         else:
