@@ -232,6 +232,35 @@ def test_drafts_last_tile_packs(tgt):
                    and i.attrs.get("N") == 128 for i in ins)      # K^T by identity matmuls
 
 
+def test_packed_program_start_and_end_orders(tgt):
+    """Packed plans (TP8 H = 16, DMA-bound): the first item's block table and its first tile's
+    page loads are issued ahead of its queries (on the static ring they followed the queries'
+    triggers, and the loads the kernel is bound by started ~0.5 us later, modeled). At the end,
+    o left in the fold's PSUM: lse on ScalarE alone (no VectorE pass ahead of the division) and
+    its store reads partitions apart from o's (other DMA queues: behind o's store on the same
+    queues it ended the program ~0.2 us later). The values are checked here and elsewhere."""
+    from nki_kernels.emulator.trace import trace
+    rng = np.random.default_rng(7)
+    lens = [2048]
+    qn, qr, kv, table = _inputs(rng, 1, 2, 16, lens, 64)
+    with trace() as t:
+        _check(qn, qr, kv, lens, table, what=f"mla_decode {tgt}")
+    ins = list(t)
+    dma = [i for i in ins if i.engine == "dma"]
+    assert dma[0].writes[0].dtype == "int32"                     # the block table first
+    q_load = next(k for k, i in enumerate(dma) if i.reads[0].buffer.endswith("hbm")
+                  and i.reads[0].dtype == "bfloat16" and not i.attrs.get("dynamic"))
+    pages = [i for i in dma[:q_load] if i.attrs.get("dynamic")]
+    assert len(pages) == 1024 // 64                              # the first tile's pages
+    hbm_out = [i for i in dma if i.writes[0].buffer.endswith("hbm")]
+    o_st, = (i for i in hbm_out if i.writes[0].shape[-1] == 512)
+    l_st, = (i for i in hbm_out if i.writes[0].shape[-1] == 1)
+    (o0, o1), (l0, l1) = o_st.reads[0].partitions, l_st.reads[0].partitions
+    assert o1 <= l0 or l1 <= o0                                  # disjoint partitions (queues)
+    writers = {i.engine for i in ins if i.writes and i.writes[0].alloc == l_st.reads[0].alloc}
+    assert writers == {"scalar"}
+
+
 def test_slot_plan():
     assert slots(16, 8) == (32, 4)
     assert slots(32, 8) == (32, 4)

@@ -237,6 +237,14 @@ def _identity():
     return ident
 
 
+def _lse_scalar(sm, lse_sb):
+    """``lse = xmul m + ln l`` on ScalarE alone (``SoftmaxState.lse`` with the add as the bias
+    of a second activation instead of a VectorE pass)."""
+    lnl = nl.ndarray((sm.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=lnl, op=nl.log, data=sm.denominator())
+    nisa.activation(dst=lse_sb, op=nl.copy, data=sm.mp[:, 0:1], scale=sm.xmul, bias=lnl)
+
+
 class _Group:
     """One row group of one work item: Q^T, its row bounds, its softmax state."""
 
@@ -301,12 +309,21 @@ class _Run:
                 tiles.append((ii, k0, min(lay.tile_keys, it.k1 - k0), k0 + lay.tile_keys >= it.k1))
         groups, tabs, loaded = {}, {}, {}
         self.final = mine[-1] if mine else None
+        # a lone sequence of a packed plan (TP8 H = 16: the loads bind): its block table and
+        # first tile's loads go ahead of its queries and row table, whose triggers had held
+        # them back on the Sync queue (modeled, Trn3 B=32 L=32K s_q=2 paged/64: first page
+        # load 1.91 -> 1.37 us). Elsewhere the queries lead: with several sequences per program
+        # (B=32 / B=128 L=4K paged) or H = 128 (TensorE binds) loads first was slower
+        loads_first = cfg.nslot > 1 and len(mine) == 1
 
         def fetch(j):
             ii, k0, n, _ = tiles[j]
             it = mine[ii]
-            if ii not in groups:
-                groups[ii] = self.start(it)
+            first = ii not in tabs                 # the item's first tile
+            if first:
+                if not loads_first:
+                    groups[ii] = self.start(it)
+                tabs[ii] = None
                 if lay.paged:
                     p0 = it.k0 // lay.block_size
                     npg = -(-it.k1 // lay.block_size) - p0
@@ -323,6 +340,8 @@ class _Run:
             if cfg.tok_scale:
                 s = self.load_scales(it, k0, n, tabs.get(ii))
             loaded[j] = _Tile(c, n, s, raw=cfg.dequant)
+            if first and loads_first:
+                groups[ii] = self.start(it)
 
         jobs = [(j, g) for j in range(len(tiles)) for g in range(cfg.n_groups)]
         state = {}
@@ -476,15 +495,27 @@ class _Run:
             nisa.dma_copy(dst=self._rows(self.lse, b, grp), src=l_sb)
 
     def store_last(self, it, grp, O=None, alpha=None, o_a=None):
-        """The program's last item: lse and its store ahead of the o update (they need only m
-        and l), then ``out = (o alpha + O) / l`` (``finalize_last``: the update an add to
-        ScalarE's ``o alpha``; or, O None, o final already: packed slots folded), the division
-        split by columns over VectorE and ScalarE into one tile (packed: on VectorE, from the
-        fold's PSUM), one store."""
+        """The program's last item: lse and its store first, then ``out = (o alpha + O) / l``
+        (``finalize_last``: the update an add to ScalarE's ``o alpha``; or, O None, o final
+        already: packed slots folded), the division split by columns over VectorE and ScalarE
+        into one tile (packed: on VectorE, from the fold's PSUM), one store. With a last update
+        (O given) lse needs only m and l, final before that PV lands. With o final (the fold's
+        PSUM) l lands with o, and lse runs on ScalarE alone (log, then ``+ m`` as the bias of
+        an activation): its VectorE half had waited there for the log and held the division
+        back; stored after o, its store queued behind o's on the same DMA queues."""
         cfg = self.cfg
         if cfg.return_lse:
-            l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-            grp.sm.lse(l_sb)
+            if O is None:
+                # packed (rows <= W = 32 / 64): written W partitions down (a quadrant / half
+                # shift), so that its store runs on other DMA queues than o's (queue k serves
+                # partitions 8k..8k+7)
+                sh = cfg.W if cfg.W + grp.rows <= P else 0
+                lt = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                l_sb = lt[sh:sh + grp.rows, :]
+                _lse_scalar(grp.sm, l_sb)
+            else:
+                l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+                grp.sm.lse(l_sb)
             nisa.dma_copy(dst=self._rows(self.lse, it.b, grp), src=l_sb)
         o_sb = nl.ndarray((grp.rows, D_LATENT), dtype=cfg.out_dtype, buffer=nl.sbuf)
         h = D_LATENT // 2
