@@ -735,10 +735,9 @@ class _Run:
             nisa.tensor_scalar_reduce(dst=X, data=S, op0=nl.multiply, operand0=cfg.qk_mul,
                                       reduce_op=nl.maximum, reduce_res=sm.max_slot())
         Pm = nl.ndarray((P, ncol), dtype=nl.bfloat16, buffer=nl.sbuf)           # [slots, Ts 128]
-        if self.bg_transpose:            # Trn3: VectorE exponentials (4x ScalarE's rate)
-            job.alpha = sm.exp_block_vector(Pm, X, defer_sum=True)
-        else:
-            job.alpha = sm.exp_block(Pm, X, defer_sum=True)
+        # Trn3: VectorE exponentials (4x ScalarE's rate)
+        job.alpha = sm.exp_block(Pm, X, defer_sum=True,
+                                 engine="vector" if self.bg_transpose else "scalar")
         job.Pm = Pm
 
     def stage_pT_packed(self, job):

@@ -208,30 +208,19 @@ class SoftmaxState:
     def denominator(self):
         return self.o[:, self.d:self.d + 1] if self.sum_in_o else self.l
 
-    def exp_block(self, p_dst, x_src, defer_sum=False):
+    def exp_block(self, p_dst, x_src, defer_sum=False, engine="scalar"):
         """One block of a state whose sum is kept apart (``sum_in_o=False``), its partial maxes
         already reduced into ``max_slot()`` columns: ``m_new``, ``p = exp(xmul (x - m_new))``
-        (ScalarE, row sums fused), ``l = alpha l + sum p``. Returns ``alpha`` for the O update.
+        (row sums fused), ``l = alpha l + sum p``. Returns ``alpha`` for the O update.
         ``defer_sum``: the ``l`` update waits for :meth:`flush_sum` (blocks in order), so an
-        in-order VectorE queue does not stall on this block's exponential."""
+        in-order VectorE queue does not stall on this block's exponential. ``engine``: "scalar"
+        (the max's negation as the activation's bias), or "vector" (Trn3 ``exponential``, 4x
+        ScalarE's rate; needs xmul == 1, the scores scaled already: no bias tile, and the max,
+        the exponentials and alpha stay on one engine, no ScalarE hop on the softmax's chain)."""
         self.combine_max()
-        neg = self.neg_max()
-        rowsum = self.exp_rows([(p_dst, x_src)], "scalar", neg_max=neg, with_sum=True)
-        alpha = self.rescale_factor("scalar", neg)
-        self.mark_started()
-        if defer_sum:
-            self.pending_sums.append((rowsum, alpha))
-        else:
-            self.update_sum(rowsum, alpha)
-        return alpha
-
-    def exp_block_vector(self, p_dst, x_src, defer_sum=False):
-        """:meth:`exp_block` with the exponentials on VectorE (Trn3 ``exponential``, 4x
-        ScalarE's rate; needs xmul == 1, the scores scaled already): no bias tile, and the max,
-        the exponentials and alpha stay on one engine (no ScalarE hop on the softmax's chain)."""
-        self.combine_max()
-        rowsum = self.exp_rows([(p_dst, x_src)], "vector", with_sum=True)
-        alpha = self.rescale_factor("vector")
+        neg = self.neg_max() if engine == "scalar" else None
+        rowsum = self.exp_rows([(p_dst, x_src)], engine, neg_max=neg, with_sum=True)
+        alpha = self.rescale_factor(engine, neg)
         self.mark_started()
         if defer_sum:
             self.pending_sums.append((rowsum, alpha))
