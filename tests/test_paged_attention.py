@@ -290,9 +290,10 @@ def test_chunk_band_mask_by_matmul_and_fp8_v_in_pv(tgt, fp8):
     """Chunk rows (causal, no window or soft-cap) mask each q-tile's diagonal band by one matmul of
     the identity with the 0 / -big bias tile, accumulated onto the scores: no range_select, no
     row-bound iotas; a q-tile of one block divides its PV result straight out of PSUM (no o copy
-    to SBUF). FP8 pages: V goes into PV as FP8 (no cast of V), K^T comes from one hardware-DGE
-    transpose per 128-key tile of 16-partition bf16 copies (docs/attention.md, "Paged attention",
-    "Where the time goes")."""
+    to SBUF). FP8 pages: V goes into PV as FP8 (no cast of V); K is cast to bf16 by the DMA, one
+    software-DGE HBM -> HBM copy per page into a staging, and K^T comes from one hardware-DGE
+    transpose per 128-key tile of that staging, not from SBUF: no engine casts K
+    (docs/attention.md, "Paged attention", "Where the time goes")."""
     from nki_kernels.emulator.trace import trace
     rng = np.random.default_rng(32)
     Hq, L, S, d = 2, 300, 384, 128               # 3 q-tiles per head, one block each
@@ -315,9 +316,17 @@ def test_chunk_band_mask_by_matmul_and_fp8_v_in_pv(tgt, fp8):
     if fp8:
         pv = [i for i in t if i.opcode == "nc_matmul" and i.reads[1].shape[-1] == d + 1]
         assert pv and all(i.attrs["mov_dtype"] == np.dtype(FP8[tgt]).name for i in pv)
-        kT = [i for i in t if i.opcode == "dma_transpose" and i.reads[0].on_chip
-              and i.reads[0].shape[0] == 16]
+        casts = [i for i in t if i.opcode == "dma_copy" and not i.reads[0].on_chip
+                 and not i.writes[0].on_chip and i.reads[0].dtype != i.writes[0].dtype]
+        assert len(casts) == S // 64 and all(i.attrs["dge"] == "swdge" for i in casts)
+        staging = casts[0].writes[0].alloc
+        assert all(i.writes[0].alloc == staging for i in casts)
+        kT = [i for i in t if i.opcode == "dma_transpose"
+              and any(r.alloc == staging for r in i.reads)]
         assert len(kT) == S // 128 and all(i.attrs["dge"] == "hwdge" for i in kT)
+        assert not [i for i in t if i.opcode == "dma_transpose" and i.reads[0].on_chip
+                    and i.reads[0].shape[0] == 16]
+        assert not [i for i in t if i.opcode == "tensor_copy" and i.engine == "gpsimd"]
 
 
 def test_decodes_match_decode_attention(tgt):

@@ -19,8 +19,9 @@ No new attention code: each request takes the path built for its shape.
   K^T / V loaded from the paged cache one page at a time (a scalar dynamic offset read from the
   block table in SBUF addresses each page; no gather descriptors): K^T by a DMA transpose
   straight from each page, V (keys on partitions) by hardware-DGE DMAs from ScalarE. FP8 V goes
-  into PV as FP8 (TensorE takes mixed bf16 / FP8 inputs); FP8 K lands raw, GpSimd casts it and
-  one DMA transpose per 128-key tile makes K^T, as the blocks need it. ``k_scale`` folds into
+  into PV as FP8 (TensorE takes mixed bf16 / FP8 inputs); FP8 K pages are cast to bf16 by the DMA
+  into an HBM staging and one DMA transpose per 128-key tile makes K^T from it, as the blocks
+  need it. ``k_scale`` folds into
   the logit scale of its KV head, ``v_scale`` into the final normalisation. Paged-only options
   of the prefill tiles (:func:`chunk_options`): the causal band masked by a bias matmul, one-
   block q-tiles finalized from PSUM, short chunks' P^T / pipeline choices.
@@ -61,7 +62,9 @@ from .split_kv import merge_split, split_parts
 HEAD_DIMS = (64, 128, 192, 256)
 DECODE_MAX_Q = 8          # longest q_len that takes the decode path (decode_attention's s_q limit)
 G16 = 16                 # keys per group of the hardware-DGE DMA transpose's 4-D form
-KV_PIECE = 8              # 128-key tiles per cast and K^T transpose (Trn2 FP8, several spans)
+FP8_FIRST = 2             # FP8 K: 128-key tiles whose pages are cast before the first QK^T (1: 91.3
+                          # us, 2 or 4: 91.0; all 16 up front: 92.2; Trn3 2K chunk over 0, modeled)
+FP8_AHEAD = 2             # ... and tiles cast past the ones a QK^T reads (1, 2, 4: the same there)
 _Q_DTYPES = ("bfloat16", "float16")
 
 
@@ -316,7 +319,8 @@ def paged_attention_kernel(q, k_cache, v_cache, block_table, rowtab, sinks, cfg)
       for decode class c (requests with q_len = s_q): decode_attention's pipeline over this
         program's split-KV items, q / o rows at the requests' query_start_loc
       for chunk request r: for KV head hk: for resident span [c0, c1) of its keys:
-        K^T, V_aug <- its pages (one dynamic-offset DMA per page; FP8: V raw, K cast + transposed)
+        K^T, V_aug <- its pages (one dynamic-offset DMA per page; FP8: V raw, K cast by
+          the DMA into an HBM staging, K^T transposed from it)
         flash attention's q-tile x 2048-key blocks (causal, end-aligned) over the span
       [LNC=2: barrier; the owners merge the split decode parts]
     """
@@ -366,16 +370,18 @@ def _chunk_request(q, k_cache, v_cache, block_table, sinks, out, lse, ident, ch,
     npg = -(-S // bs)
     bt_sb = nl.ndarray((1, npg), dtype=nl.int32, buffer=nl.sbuf)              # [1, pages]
     nisa.dma_copy(dst=bt_sb, src=block_table[ch.r, 0:npg].reshape((1, npg)))
-    for hk in sorted({u.kv_head for u in mine}):
+    heads = sorted({u.kv_head for u in mine})
+    ks = _KStage(k_cache, bt_sb, heads, S, q.dtype, cfg) if cfg.fp8 else None   # FP8 K in HBM
+    for hk in heads:
         fp = plans[hk] if len(plans) > 1 else plans[0]
         run_kv_group(q4, o4, l4, sinks, hbm_state, ident, spec, chunks,
                      [u for u in mine if u.kv_head == hk], Hq, Hkv, d, fp,
                      lambda c0, c1, hk=hk: _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1,
-                                                          q.dtype, cfg, len(chunks) > 1),
+                                                          q.dtype, cfg, ks),
                      store_each=True)
 
 
-def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg, spans=False):
+def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg, ks=None):
     """Keys [c0, c1) of KV head ``hk`` of one request from its pages, laid out as flash
     attention's ``_load_kv``: K^T [128, DT, C] (d on partitions) and V_aug [128, C/128, d+1]
     (key c0 + 128 t + p on partition p of tile t; column d = 1).
@@ -388,13 +394,10 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg, spans=False)
     stores, whose transfers (all triggered at the start) used to sit ahead of the K^T of the
     first tiles: on the 2K chunk over 0 the first QK^T started at 25 us, behind every page load
     and the staged K's SBUF->SBUF transposes (modeled, Trn3: 129.1 -> 105.8 us; over 8K 656.6 ->
-    627.9 us). FP8 pages: :func:`_load_kv_pages_fp8` (on Trn2, a request that takes more than
-    one resident span, ``spans``: :func:`_load_kv_pages_staged`). ``c0`` is a multiple of the
-    block size: pages never straddle a span."""
-    if cfg.fp8 and spans and int(nisa.get_nc_version()) < 4:
-        return _load_kv_pages_staged(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg)
+    627.9 us). FP8 pages: :func:`_load_kv_pages_fp8` (K from the request's bf16 staging ``ks``,
+    :class:`_KStage`). ``c0`` is a multiple of the block size: pages never straddle a span."""
     if cfg.fp8:
-        return _load_kv_pages_fp8(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg)
+        return _load_kv_pages_fp8(ks, v_cache, bt_sb, hk, c0, c1, dtype, cfg)
     d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
     DT = -(-d // P)
     C = c1 - c0
@@ -421,32 +424,58 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg, spans=False)
     return kT, vs
 
 
-def _load_kv_pages_fp8(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
+class _KStage:
+    """The FP8 K pages of one chunk request, cast to bf16 by the DMA into an HBM staging
+    ``[pages * block_size, heads * d]`` (the heads this program runs, ``h0 ..``): one casting
+    DMA per page, every head's rows of it at once (a cast with a runtime address runs on the
+    software DGE, GpSimd; nki-spec 5.3), as the tiles need them (:meth:`cast_to`). HBM has no
+    partitions, so K^T then comes from the staging as from a bf16 page: one hardware-DGE DMA
+    transpose per 128-key tile (:func:`_page_kT`), on all 16 DMA queues. Before (2026-11-29),
+    raw K landed in SBUF in that transpose's 16-partition source layout, 2 of the 16 queues per
+    tile, and GpSimd cast 1024 elements a partition per tile (0.85 us): tile 0 in SBUF at
+    8.9 us, the first QK^T at 11.6 us (modeled, Trn3, 2K chunk over 0); now 4.1 us."""
+
+    def __init__(self, k_cache, bt_sb, heads, S, dtype, cfg):
+        d, bs = cfg.d, cfg.block_size
+        self.h0 = min(heads)
+        self.nh = max(heads) - self.h0 + 1
+        self.npg = -(-S // bs)
+        self.S, self.bs, self.d, self.row = S, bs, d, cfg.Hkv * d
+        self.kst = nl.ndarray((self.npg * bs, self.nh * d), dtype=dtype,            # [keys, nh*d]
+                              buffer=nl.hbm)
+        self.kp = k_cache.reshape((k_cache.shape[0], bs * self.row))            # [num_blocks, page]
+        self.bt_sb = bt_sb
+        self.done = 0                               # pages cast so far
+
+    def cast_to(self, c):
+        """Cast the pages holding request keys below ``c`` (once each)."""
+        bs, nd = self.bs, self.nh * self.d
+        while self.done < self.npg and self.done * bs < c:
+            j = self.done
+            m = min(bs, self.S - j * bs)
+            nisa.dma_copy(dst=self.kst[j * bs:j * bs + m, :],
+                          src=self.kp.ap([[self.row, m], [1, nd]], offset=self.h0 * self.d,
+                                         scalar_offset=self.bt_sb[0:1, j:j + 1], indirect_dim=0),
+                          dge_mode=nisa.dge_mode.swdge)
+            self.done += 1
+
+
+def _load_kv_pages_fp8(ks, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
     """:func:`_load_kv_pages` for FP8 pages. V_aug stays FP8: PV multiplies bf16 P^T by FP8 V
     (TensorE takes mixed fp8 / bf16 inputs; the bf16 value of an FP8 number is exact), so V
-    needs no cast. A DMA transpose does not cast, so K^T is made per 128-key tile from a bf16
-    copy: raw K lands in the hardware-DGE transpose's 4-D source layout (key 16 b + a of tile t
-    on partition 16 (t % 8) + a, group b: 16-partition blocks, so 8 tiles side by side), GpSimd
-    casts the tiles, one DMA transpose per tile from Sync writes K^T
-    ([16, 1, 8, dc] -> [dc, 1, 8, 16]). The casts and transposes of a tile are issued with the
-    first QK^T that reads it (the returned ``need``): issued up front, GpSimd's in-order queue
-    held every q-tile's softmax set-up behind the last page's cast (modeled, Trn3, 2K chunk over
-    0: 126.4 us with staged K, casts of 8 tiles and SBUF->SBUF transposes on the static ring).
-    Raw K goes by the static ring. A 16-key group the request's
-    keys only partly fill (its last keys; 8-key pages) loads and transposes on its own rows."""
+    needs no cast. K^T (a DMA transpose does not cast) comes from the request's bf16 staging in
+    HBM (``ks``, :class:`_KStage`): one hardware-DGE transpose per 128-key tile from Sync, issued
+    once its pages are cast; the returned ``need(c)`` (called before each QK^T) casts the pages
+    up to FP8_AHEAD tiles past the ones it reads, FP8_FIRST tiles are cast up front. Casting
+    every page up front held each q-tile's softmax set-up (a GpSimd memset) behind the casts in
+    GpSimd's in-order queue (modeled, Trn3, 2K chunk over 0: 92.2 us vs 91.0)."""
     d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
     DT = -(-d // P)
     C = c1 - c0
     nt = -(-C // P)
-    NB = P // G16
     row = Hkv * d
     kT = nl.ndarray((P, DT, C), dtype=dtype, buffer=nl.sbuf)                  # [128, DT, C]
     vs = nl.ndarray((P, nt, d + 1), dtype=v_cache.dtype, buffer=nl.sbuf)      # [128, nt, d+1]
-    nisa.memset(dst=vs[:, :, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
-    k8 = nl.ndarray((P, -(-nt // 8), NB, d), dtype=k_cache.dtype,             # [128, nt/8, 8, d]
-                    buffer=nl.sbuf)
-    kb = nl.ndarray((P, -(-nt // 8), NB, d), dtype=dtype, buffer=nl.sbuf)     # [128, nt/8, 8, d]
-    kp = k_cache.reshape((k_cache.shape[0], bs * row))                        # [num_blocks, page]
     vp = v_cache.reshape((v_cache.shape[0], bs * row))
     # V of the first span on ScalarE's hardware DGE; later spans' tiles wait for SBUF the span
     # before them holds, and an in-order ScalarE trigger waiting there stalls the softmax (chunk
@@ -459,117 +488,27 @@ def _load_kv_pages_fp8(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
             m = min(P, bs - s0, C - base - s0)
             t, p0 = (base + s0) // P, (base + s0) % P
             off = (s0 * Hkv + hk) * d
-            g, t8 = G16 * (t % 8), t // 8
-            k = 0
-            while k < m:      # whole 16-key groups in one DMA, a partial group on its own rows
-                a, b = (p0 + k) % G16, (p0 + k) // G16
-                if a == 0 and m - k >= G16:
-                    n = (m - k) // G16 * G16
-                    dst, pat = k8[g:g + G16, t8, b:b + n // G16, :], [[row, G16],
-                                                                     [G16 * row, n // G16]]
-                else:
-                    n = min(m - k, G16 - a)
-                    dst, pat = k8[g + a:g + a + n, t8, b, :], [[row, n]]
-                nisa.dma_copy(dst=dst, src=kp.ap(pat + [[1, d]], offset=off + k * row,
-                                                 scalar_offset=reg, indirect_dim=0))
-                k += n
             nisa.dma_copy(dst=vs[p0:p0 + m, t, 0:d], src=vp.ap(
                 [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0), **vkw)
-    done = [0]
-    full = C // P                                   # tiles of 128 keys
+    nrow = ks.nh * d
+    done = [0]                                      # tiles transposed so far
 
     def need(c):
-        """Cast and transpose the tiles holding chunk keys below ``c`` (once each)."""
-        want = min(nt, -(-c // P))
-        t = done[0]
-        while t < want:
-            t8 = t // 8
-            e = min(want, (t8 + 1) * 8)              # tiles of one 16-partition block row
-            ef = min(e, full)
-            if ef > t:
-                nisa.tensor_copy(dst=kb[G16 * (t % 8):G16 * ((ef - 1) % 8 + 1), t8, :, :],
-                                 src=k8[G16 * (t % 8):G16 * ((ef - 1) % 8 + 1), t8, :, :],
-                                 engine=nisa.engine.gpsimd)
-            for u in range(t, e):
-                g, w = G16 * (u % 8), min(P, C - u * P)
-                nf, r = w // G16, w % G16
-                if u >= full:                        # the last, partial tile
-                    if nf:
-                        nisa.tensor_copy(dst=kb[g:g + G16, t8, 0:nf, :],
-                                         src=k8[g:g + G16, t8, 0:nf, :], engine=nisa.engine.gpsimd)
-                    if r:
-                        nisa.tensor_copy(dst=kb[g:g + r, t8, nf, :], src=k8[g:g + r, t8, nf, :],
-                                         engine=nisa.engine.gpsimd)
-                for c_ in range(DT):
-                    dc, k0 = min(P, d - c_ * P), u * P
-                    if nf:
-                        nisa.dma_transpose(
-                            dst=kT[0:dc, c_, k0:k0 + nf * G16].reshape((dc, 1, nf, G16)),
-                            src=kb[g:g + G16, t8:t8 + 1, 0:nf, c_ * P:c_ * P + dc],
-                            dge_mode=nisa.dge_mode.hwdge)
-                    if r:
-                        nisa.dma_transpose(dst=kT[0:dc, c_, k0 + nf * G16:k0 + w],
-                                           src=kb[g:g + r, t8, nf, c_ * P:c_ * P + dc])
-            t = e
-        done[0] = max(done[0], want)
+        """Cast the pages up to FP8_AHEAD tiles past chunk key ``c``; transpose the tiles whose
+        pages are cast (once each)."""
+        ks.cast_to(c0 + (min(nt, -(-c // P)) + FP8_AHEAD) * P)
+        landed = min(C, ks.done * bs - c0)
+        while done[0] < nt and min(C, (done[0] + 1) * P) <= landed:
+            k0 = done[0] * P
+            _page_kT(kT, ks.kst, None, (c0 + k0) * nrow + (hk - ks.h0) * d, k0,
+                     min(C - k0, P), d, nrow)
+            done[0] += 1
 
-    return kT, vs, need
-
-
-def _load_kv_pages_staged(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
-    """FP8 pages as before 2026-11-29, kept for Trn2 requests over several resident spans (the
-    chunk over 32K: 3703.7 us this way, 3707.6 with :func:`_load_kv_pages_fp8`; modeled): raw K
-    and V on the static ring, GpSimd casts both to bf16 every KV_PIECE tiles, K^T by SBUF->SBUF
-    DMA transposes of those tiles."""
-    d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
-    DT = -(-d // P)
-    C = c1 - c0
-    nt = -(-C // P)
-    row = Hkv * d
-    kT = nl.ndarray((P, DT, C), dtype=dtype, buffer=nl.sbuf)                  # [128, DT, C]
-    vs = nl.ndarray((P, nt, d + 1), dtype=dtype, buffer=nl.sbuf)              # [128, nt, d+1]
+    ks.cast_to(c0 + FP8_FIRST * P)
+    # after the first casts: GpSimd's queue is in order
     nisa.memset(dst=vs[:, :, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
-    kst = nl.ndarray((P, nt, d), dtype=dtype, buffer=nl.sbuf)                 # [128, nt, d]
-    k8 = nl.ndarray((P, nt, d), dtype=k_cache.dtype, buffer=nl.sbuf)          # [128, nt, d]
-    v8 = nl.ndarray((P, nt, d), dtype=v_cache.dtype, buffer=nl.sbuf)          # [128, nt, d]
-    kp = k_cache.reshape((k_cache.shape[0], bs * row))                        # [num_blocks, page]
-    vp = v_cache.reshape((v_cache.shape[0], bs * row))
-    done_t = 0
-    last_page = -(-c1 // bs) - 1
-    for j in range(c0 // bs, last_page + 1):
-        reg = bt_sb[0:1, j:j + 1]
-        base = j * bs - c0
-        for s0 in range(0, min(bs, C - base), P):
-            m = min(P, bs - s0, C - base - s0)
-            t, p0 = (base + s0) // P, (base + s0) % P
-            off = (s0 * Hkv + hk) * d
-            for dst, src in ((k8, kp), (v8, vp)):
-                nisa.dma_copy(dst=dst[p0:p0 + m, t, :], src=src.ap(
-                    [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0))
-        ready = min(C, base + bs) // P              # whole tiles staged so far
-        last = j == last_page
-        if ready - done_t >= KV_PIECE or last:
-            c_end = C if last else ready * P
-            for dst, src in ((kst, k8), (vs, v8)):
-                if ready > done_t:
-                    nisa.tensor_copy(dst=dst[:, done_t:ready, 0:d], src=src[:, done_t:ready, :],
-                                     engine=nisa.engine.gpsimd)
-                r = c_end - ready * P
-                if 0 < r < P:
-                    nisa.tensor_copy(dst=dst[0:r, ready, 0:d], src=src[0:r, ready, :],
-                                     engine=nisa.engine.gpsimd)
-            for c in range(DT):
-                dc = min(P, d - c * P)
-                if ready > done_t:
-                    n = ready - done_t
-                    nisa.dma_transpose(dst=kT[0:dc, c, done_t * P:ready * P].reshape((dc, n, P)),
-                                       src=kst[:, done_t:ready, c * P:c * P + dc])
-                r = C - ready * P
-                if last and 0 < r < P:
-                    nisa.dma_transpose(dst=kT[0:dc, c, ready * P:C],
-                                       src=kst[0:r, ready, c * P:c * P + dc])
-            done_t = ready
-    return kT, vs
+    need(0)
+    return kT, vs, need
 
 
 def _page_kT(kT, kp, reg, off, k0, m, d, row):
@@ -577,19 +516,21 @@ def _page_kT(kT, kp, reg, off, k0, m, d, row):
     transpose per 128 rows of d. ``m`` a multiple of 16 takes the hardware DGE's 4-D form
     ([16, 1, m/16, dc] -> [dc, 1, m/16, 16], the HWDGE shape rule), triggered from Sync: its own
     DMA ring, so the page transposes do not queue behind the Q^T loads, P^T transposes and
-    output stores of the static ring. 8-key pages take the static 2-D form."""
+    output stores of the static ring. 8-key pages take the static 2-D form. ``reg`` None: a
+    static source (the FP8 path's bf16 staging in HBM, :class:`_KStage`)."""
     for c in range(-(-d // P)):
         dc = min(P, d - c * P)
         dst = kT[0:dc, c, k0:k0 + m]
+        dyn = dict(scalar_offset=reg, indirect_dim=0) if reg is not None else {}
         if m % G16 == 0:
             nisa.dma_transpose(dst=dst.reshape((dc, 1, m // G16, G16)),
                                src=kp.ap([[row, G16], [m * row, 1], [G16 * row, m // G16],
                                           [1, dc]],
-                                         offset=off + c * P, scalar_offset=reg, indirect_dim=0),
+                                         offset=off + c * P, **dyn),
                                dge_mode=nisa.dge_mode.hwdge)
         else:
             nisa.dma_transpose(dst=dst, src=kp.ap([[row, m], [1, dc]], offset=off + c * P,
-                                                  scalar_offset=reg, indirect_dim=0))
+                                                  **dyn))
 
 
 # ---------------------------------------------------------------------------------------- op
