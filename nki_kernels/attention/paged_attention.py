@@ -408,20 +408,29 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg, ks=None):
     nisa.memset(dst=vs[:, :, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
     kp = k_cache.reshape((k_cache.shape[0], bs * row))                        # [num_blocks, page]
     vp = v_cache.reshape((v_cache.shape[0], bs * row))
+    for reg, k0, m, off in _page_pieces(bt_sb, hk, c0, c1, cfg):
+        t, p0 = k0 // P, k0 % P
+        _page_kT(kT, kp, reg, off, k0, m, d, row)
+        # V on ScalarE's hardware-DGE ring (the DGE holds 600 ns per page; ScalarE is idle
+        # while the first pages load)
+        nisa.dma_copy(dst=vs[p0:p0 + m, t, 0:d], src=vp.ap(
+            [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0),
+            dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
+    return kT, vs
+
+
+def _page_pieces(bt_sb, hk, c0, c1, cfg):
+    """The pieces of chunk keys ``[c0, c1)`` in page order, at most 128 keys each (pages of 256
+    keys: two): ``(reg, k0, m, off)``, the page's block-table entry in ``bt_sb`` (a scalar
+    dynamic offset), the piece's first chunk key and key count, and the offset of KV head
+    ``hk``'s first row in the page."""
+    d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
+    C = c1 - c0
     for j in range(c0 // bs, -(-c1 // bs)):
-        reg = bt_sb[0:1, j:j + 1]
         base = j * bs - c0
         for s0 in range(0, min(bs, C - base), P):
-            m = min(P, bs - s0, C - base - s0)
-            t, p0 = (base + s0) // P, (base + s0) % P
-            off = (s0 * Hkv + hk) * d
-            _page_kT(kT, kp, reg, off, base + s0, m, d, row)
-            # V on ScalarE's hardware-DGE ring (the DGE holds 600 ns per page; ScalarE is idle
-            # while the first pages load)
-            nisa.dma_copy(dst=vs[p0:p0 + m, t, 0:d], src=vp.ap(
-                [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0),
-                dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
-    return kT, vs
+            yield (bt_sb[0:1, j:j + 1], base + s0, min(P, bs - s0, C - base - s0),
+                   (s0 * Hkv + hk) * d)
 
 
 class _KStage:
@@ -481,15 +490,10 @@ def _load_kv_pages_fp8(ks, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
     # before them holds, and an in-order ScalarE trigger waiting there stalls the softmax (chunk
     # over 32K, Trn3: 2321.5 us with every span's V there, 2253.8 with the first only)
     vkw = dict(dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar) if c0 == 0 else {}
-    for j in range(c0 // bs, -(-c1 // bs)):
-        reg = bt_sb[0:1, j:j + 1]
-        base = j * bs - c0
-        for s0 in range(0, min(bs, C - base), P):
-            m = min(P, bs - s0, C - base - s0)
-            t, p0 = (base + s0) // P, (base + s0) % P
-            off = (s0 * Hkv + hk) * d
-            nisa.dma_copy(dst=vs[p0:p0 + m, t, 0:d], src=vp.ap(
-                [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0), **vkw)
+    for reg, k0, m, off in _page_pieces(bt_sb, hk, c0, c1, cfg):
+        t, p0 = k0 // P, k0 % P
+        nisa.dma_copy(dst=vs[p0:p0 + m, t, 0:d], src=vp.ap(
+            [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0), **vkw)
     nrow = ks.nh * d
     done = [0]                                      # tiles transposed so far
 
