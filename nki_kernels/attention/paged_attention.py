@@ -398,16 +398,9 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg, ks=None):
     :class:`_KStage`). ``c0`` is a multiple of the block size: pages never straddle a span."""
     if cfg.fp8:
         return _load_kv_pages_fp8(ks, v_cache, bt_sb, hk, c0, c1, dtype, cfg)
-    d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
-    DT = -(-d // P)
-    C = c1 - c0
-    nt = -(-C // P)
-    row = Hkv * d
-    kT = nl.ndarray((P, DT, C), dtype=dtype, buffer=nl.sbuf)                  # [128, DT, C]
-    vs = nl.ndarray((P, nt, d + 1), dtype=dtype, buffer=nl.sbuf)              # [128, nt, d+1]
+    d, row, kT, vs, vp = _kv_tiles(v_cache, c0, c1, dtype, dtype, cfg)
     nisa.memset(dst=vs[:, :, d:d + 1], value=1.0, engine=nisa.engine.gpsimd)
-    kp = k_cache.reshape((k_cache.shape[0], bs * row))                        # [num_blocks, page]
-    vp = v_cache.reshape((v_cache.shape[0], bs * row))
+    kp = k_cache.reshape((k_cache.shape[0], cfg.block_size * row))           # [num_blocks, page]
     for reg, k0, m, off in _page_pieces(bt_sb, hk, c0, c1, cfg):
         t, p0 = k0 // P, k0 % P
         _page_kT(kT, kp, reg, off, k0, m, d, row)
@@ -417,6 +410,18 @@ def _load_kv_pages(k_cache, v_cache, bt_sb, hk, c0, c1, dtype, cfg, ks=None):
             [[row, m], [1, d]], offset=off, scalar_offset=reg, indirect_dim=0),
             dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
     return kT, vs
+
+
+def _kv_tiles(v_cache, c0, c1, k_dtype, v_dtype, cfg):
+    """``(d, row, kT, vs, vp)`` of chunk keys ``[c0, c1)``: the head dim, a page row's elements
+    (all KV heads), K^T ``[128, DT, C]`` and V_aug ``[128, C/128, d+1]`` in SBUF (column d is
+    set to 1 by the caller), and the V cache as ``[num_blocks, page]``."""
+    d, C = cfg.d, c1 - c0
+    row = cfg.Hkv * d
+    kT = nl.ndarray((P, -(-d // P), C), dtype=k_dtype, buffer=nl.sbuf)        # [128, DT, C]
+    vs = nl.ndarray((P, -(-C // P), d + 1), dtype=v_dtype, buffer=nl.sbuf)    # [128, nt, d+1]
+    vp = v_cache.reshape((v_cache.shape[0], cfg.block_size * row))            # [num_blocks, page]
+    return d, row, kT, vs, vp
 
 
 def _page_pieces(bt_sb, hk, c0, c1, cfg):
@@ -478,14 +483,8 @@ def _load_kv_pages_fp8(ks, v_cache, bt_sb, hk, c0, c1, dtype, cfg):
     up to FP8_AHEAD tiles past the ones it reads, FP8_FIRST tiles are cast up front. Casting
     every page up front held each q-tile's softmax set-up (a GpSimd memset) behind the casts in
     GpSimd's in-order queue (modeled, Trn3, 2K chunk over 0: 92.2 us vs 91.0)."""
-    d, Hkv, bs = cfg.d, cfg.Hkv, cfg.block_size
-    DT = -(-d // P)
-    C = c1 - c0
-    nt = -(-C // P)
-    row = Hkv * d
-    kT = nl.ndarray((P, DT, C), dtype=dtype, buffer=nl.sbuf)                  # [128, DT, C]
-    vs = nl.ndarray((P, nt, d + 1), dtype=v_cache.dtype, buffer=nl.sbuf)      # [128, nt, d+1]
-    vp = v_cache.reshape((v_cache.shape[0], bs * row))
+    d, row, kT, vs, vp = _kv_tiles(v_cache, c0, c1, dtype, v_cache.dtype, cfg)
+    bs, C, nt = cfg.block_size, c1 - c0, -(-(c1 - c0) // P)
     # V of the first span on ScalarE's hardware DGE; later spans' tiles wait for SBUF the span
     # before them holds, and an in-order ScalarE trigger waiting there stalls the softmax (chunk
     # over 32K, Trn3: 2321.5 us with every span's V there, 2253.8 with the first only)
