@@ -46,6 +46,7 @@ from .._validate import (
     token_scales,
 )
 from ..backend import launch, lnc_programs, nisa, nki, nl
+from ..dense._tiles import identity
 from .kv_cache import BLOCK_SIZES, KVLayout, load_kv_tile, load_kv_tile_pages, tokens_per_partition
 from .masks import mask_range_select, scale_mask_max
 from .merge_attention_states import merge_states_sb
@@ -54,8 +55,7 @@ from .softmax import SoftmaxState
 from .split_kv import (
     empty_rows,
     fold_apply,
-    fold_exp,
-    fold_max,
+    fold_weights,
     merge_split,
     plan_split_kv,
     slot_selector,
@@ -216,7 +216,7 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_sca
     elif cfg.nslot > 1 and nisa.get_nc_version() >= 4:
         # packed tiles: part of K^T by identity matmuls (KT_MM_SLICES); built on chip, not
         # loaded: a DMA of it queued ahead of the first latent tiles
-        ident = _identity()                                                   # [128, 128]
+        ident = identity(nl.bfloat16)                                         # [128, 128]
     if pid == 0:
         empty_rows(out, lse, cfg.seq_lens, cfg.rows, D_LATENT, cfg.out_dtype)
     run = _Run(q_nope, q_rope, kv_cache, block_table, rowtab, out, lse, parts_hbm, split, ident,
@@ -226,23 +226,6 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_sca
     if cfg.return_lse:
         return out, lse
     return out
-
-
-def _identity():
-    """bf16 ``[128, 128]`` identity: ``p - c`` (GpSimd iota), then ``== 0`` (VectorE)."""
-    idx = nl.ndarray((P, P), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.iota(dst=idx, pattern=[[-1, P]], offset=0, channel_multiplier=1)
-    ident = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=ident, data=idx, op0=nl.equal, operand0=0)
-    return ident
-
-
-def _lse_scalar(sm, lse_sb):
-    """``lse = xmul m + ln l`` on ScalarE alone (``SoftmaxState.lse`` with the add as the bias
-    of a second activation instead of a VectorE pass)."""
-    lnl = nl.ndarray((sm.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=lnl, op=nl.log, data=sm.denominator())
-    nisa.activation(dst=lse_sb, op=nl.copy, data=sm.mp[:, 0:1], scale=sm.xmul, bias=lnl)
 
 
 class _Group:
@@ -460,8 +443,7 @@ class _Run:
                 cfg = self.cfg
                 # the program's last item: o and l stay in the fold's PSUM, which the output
                 # division reads (no copy to SBUF)
-                ctx = grp.fold or fold_exp(
-                    grp.sm, fold_max(grp.sm, grp.psm, cfg.nslot, cfg.W, grp.rows), grp.rows)
+                ctx = grp.fold or fold_weights(grp.sm, grp.psm, cfg.nslot, cfg.W, grp.rows)
                 fold_apply(grp.sm, grp.psm, ctx, grp.rows, self.sel,
                            o_psum=it is self.final and it.n_parts == 1)
             if it.n_parts > 1 and it.part > 0:
@@ -512,7 +494,7 @@ class _Run:
                 sh = cfg.W if cfg.W + grp.rows <= P else 0
                 lt = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
                 l_sb = lt[sh:sh + grp.rows, :]
-                _lse_scalar(grp.sm, l_sb)
+                grp.sm.lse(l_sb, add_engine="scalar")
             else:
                 l_sb = nl.ndarray((grp.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
                 grp.sm.lse(l_sb)
@@ -764,8 +746,7 @@ class _Run:
             # so they go ahead of this tile's o update (VectorE's in-order queue; for earlier
             # items VectorE has the next tiles' work to do, and this order was slower)
             cfg = self.cfg
-            grp.fold = fold_exp(grp.sm, fold_max(grp.sm, grp.psm, cfg.nslot, cfg.W, grp.rows),
-                                grp.rows)
+            grp.fold = fold_weights(grp.sm, grp.psm, cfg.nslot, cfg.W, grp.rows)
         job.grp.psm.flush_sum()         # the deferred l update (decode_attention's reason)
         # Trn3: o alpha on ScalarE, the PSUM add on VectorE (which now runs the exponentials)
         tail = job.it is self.final and job.k0 + (STT_TAIL + 1) * self.lay.tile_keys > job.it.k1

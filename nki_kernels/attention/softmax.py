@@ -268,13 +268,19 @@ class SoftmaxState:
             else:
                 nisa.activation(dst=out_sb, op=nl.copy, data=self.o[:, c0:c1], scale=recip)
 
-    def lse(self, lse_sb, den=None):
-        """``lse = xmul * m + ln l`` (ScalarE log, VectorE fused multiply-add)."""
+    def lse(self, lse_sb, den=None, add_engine="vector"):
+        """``lse = xmul * m + ln l`` (ScalarE log, then the fused multiply-add on VectorE; or,
+        ``add_engine`` "scalar", on ScalarE as the bias of a second activation: no VectorE
+        pass waiting there for the log)."""
         den = self.denominator() if den is None else den
         lnl = nl.ndarray((self.rows, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=lnl, op=nl.log, data=den)
-        nisa.scalar_tensor_tensor(dst=lse_sb, data=self.mp[:, 0:1], op0=nl.multiply,
-                                  operand0=self.xmul, op1=nl.add, operand1=lnl)
+        if add_engine == "scalar":
+            nisa.activation(dst=lse_sb, op=nl.copy, data=self.mp[:, 0:1], scale=self.xmul,
+                            bias=lnl)
+        else:
+            nisa.scalar_tensor_tensor(dst=lse_sb, data=self.mp[:, 0:1], op0=nl.multiply,
+                                      operand0=self.xmul, op1=nl.add, operand1=lnl)
 
     def finalize(self, out_sb, lse_sb=None, out_scale=None):
         """``out = o / l`` (VectorE, cast to ``out_sb``'s dtype; times ``out_scale``, a float,

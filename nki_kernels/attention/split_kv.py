@@ -192,7 +192,13 @@ def fold_slots(sm, psm, nslot: int, W: int, rows: int, sel):
     as the maxima are final, before the item's last P V products, modeled no better: the
     transposes back then wait in TensorE's in-order queue for VectorE ahead of those products;
     decode_attention issues the two one pipeline step apart.)"""
-    fold_apply(sm, psm, fold_exp(sm, fold_max(sm, psm, nslot, W, rows), rows), rows, sel)
+    fold_apply(sm, psm, fold_weights(sm, psm, nslot, W, rows), rows, sel)
+
+
+def fold_weights(sm, psm, nslot: int, W: int, rows: int):
+    """:func:`fold_max` then :func:`fold_exp` (the weights, from the final maxima): returns
+    :func:`fold_apply`'s ``ctx``."""
+    return fold_exp(sm, fold_max(sm, psm, nslot, W, rows), rows)
 
 
 def fold_max(sm, psm, nslot: int, W: int, rows: int):
