@@ -304,16 +304,21 @@ def _epilogue_runs(tiles, i0, i1, R, d, k_transposed):
     T=128, modeled: Trn3 55.50 -> 55.12 us, Trn2 75.83 -> 75.04). In decode (pair lanes) the
     tile order stays: smallest first there was slower (T=1 47.98 -> 48.26 on Trn3)."""
     runs = []
-    f = i0
-    while f < i1:
-        kind = tiles[f][2]
-        g = f
-        while g < i1 and tiles[g][2] == kind:
-            g += 1
+    for f, g, kind in _kind_runs(tiles, i0, i1):
         nh = (tiles[g - 1][0] + tiles[g - 1][1] - tiles[f][0]) // d
         runs.append((f, g, kind, nh, R == 1 and _head_lanes(nh, d, kind, k_transposed)))
-        f = g
     return sorted(runs, key=lambda r: r[4])
+
+
+def _kind_runs(tiles, i0, i1):
+    """``(f, g, kind)`` per run of consecutive tiles ``[f, g)`` of one kind in ``[i0, i1)``."""
+    f = i0
+    while f < i1:
+        g = f
+        while g < i1 and tiles[g][2] == tiles[f][2]:
+            g += 1
+        yield f, g, tiles[f][2]
+        f = g
 
 
 def _head_lane_sizes(tiles, passes, d, k_transposed):
@@ -920,16 +925,11 @@ def _evict_pass(hT, acc, tiles, i0, i1, tb, bias_T, ev, rrow=None):
             # one VectorE pass per kind, scaled straight into the bf16 output: the epilogue's
             # transposes of the first kind start after its own eviction (Llama-3-70B TP8
             # T=128 on Trn3, modeled: 55.28 -> 55.12 us)
-            f = i0
-            while f < i1:
-                g = f
-                while g < i1 and tiles[g][2] == tiles[f][2]:
-                    g += 1
+            for f, g, _ in _kind_runs(tiles, i0, i1):
                 a, b = f - i0, g - i0
                 nisa.tensor_tensor(dst=hT[:, a:b, 0:tb], data1=acc[:, a:b, 0:tb],
                                    data2=rrow[:, 0:tb].expand_dim(1).broadcast(1, b - a),
                                    op=nl.multiply)
-                f = g
             return ev
         tmp = nl.ndarray((P, nf, tb), dtype=nl.float32, buffer=nl.sbuf)        # [128, nf, tb]
         nisa.tensor_tensor(dst=tmp, data1=acc[:, :, 0:tb], data2=rrow.expand_dim(1).broadcast(1, nf),
