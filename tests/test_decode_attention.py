@@ -122,24 +122,31 @@ def test_one_kv_head_packed_slots(tgt, rng, s_q, bs, lnc, opts):
     _run(q, k, v, lens, bs, lnc=lnc, **kw)
 
 
-def test_packed_fold_weights_before_last_pv(rng):
-    """A packed item's fold (the slots' states into the row state) needs only the final maxima
-    for its weights: their two steps (``fold_max``, ``fold_exp``) are issued before the item's
-    last P V products, and only the weighted sum (``fold_apply``) after them. The program's last
-    item leaves the folded o and l in PSUM for the output division (no copy to SBUF)."""
+def _packed_one_kv_head(rng, tgt, n_tiles):
+    """Two sequences of ``n_tiles`` and 2 whole tiles, 8 q heads on one KV head (d 128: every
+    tile packed), run on ``tgt`` under a trace and checked against the references. Returns the
+    trace, each instruction's source function, and ``(lens, tile_keys)``."""
     from nki_kernels.attention.decode_attention import decode_schedule
     from nki_kernels.emulator.runtime import target
     from nki_kernels.emulator.trace import trace
     Hq, d = 8, 128
     tk = decode_schedule([8192], 1, Hq, 1, d, 2, None, None, 1)[0].tile_keys
-    lens = [3 * tk, 2 * tk]                  # whole tiles: every tile packed
+    lens = [n_tiles * tk, 2 * tk]
     q, k, v = _inputs(rng, 2, 1, Hq, 1, d, lens)
-    with target("trn3"), trace() as t:
+    with target(tgt), trace() as t:
         o = decode_attention(q, k, v, np.array(lens, np.int32))
     ref = decode_attention_ref(q, k, v, lens, p_dtype="bfloat16")
     exact = decode_attention_ref(q, k, v, lens, compute_dtype=np.float64)
     assert_attention_close(o, ref, exact)
-    fn = [ins.src[2] if ins.src else "" for ins in t]
+    return t, [ins.src[2] if ins.src else "" for ins in t], (lens, tk)
+
+
+def test_packed_fold_weights_before_last_pv(rng):
+    """A packed item's fold (the slots' states into the row state) needs only the final maxima
+    for its weights: their two steps (``fold_max``, ``fold_exp``) are issued before the item's
+    last P V products, and only the weighted sum (``fold_apply``) after them. The program's last
+    item leaves the folded o and l in PSUM for the output division (no copy to SBUF)."""
+    t, fn, (lens, _) = _packed_one_kv_head(rng, "trn3", 3)
     pv = [i for i, f in enumerate(fn) if f == "stage_pv_packed"]
     steps = {f: [i for i, g in enumerate(fn) if g == f] for f in ("fold_max", "fold_exp",
                                                                   "fold_apply")}
@@ -166,19 +173,9 @@ def test_one_kv_head_loads(rng):
     ``PACKED_V_BEHIND`` (3 on Trn2) tiles ahead of the V loads, so the program's last K lands
     ahead of its last 4 V tiles and the last tiles' K chains (K^T, scores, softmax, P^T) start
     sooner. The values are checked by the packed tests above."""
-    from nki_kernels.attention.decode_attention import PACKED_V_BEHIND, decode_schedule
-    from nki_kernels.emulator.runtime import target
-    from nki_kernels.emulator.trace import trace
+    from nki_kernels.attention.decode_attention import PACKED_V_BEHIND
     Hq, d = 8, 128
-    tk = decode_schedule([8192], 1, Hq, 1, d, 2, None, None, 1)[0].tile_keys
-    lens = [6 * tk, 2 * tk]                  # whole tiles: every tile packed
-    q, k, v = _inputs(rng, 2, 1, Hq, 1, d, lens)
-    with target("trn2"), trace() as t:
-        o = decode_attention(q, k, v, np.array(lens, np.int32))
-    ref = decode_attention_ref(q, k, v, lens, p_dtype="bfloat16")
-    exact = decode_attention_ref(q, k, v, lens, compute_dtype=np.float64)
-    assert_attention_close(o, ref, exact)
-    fn = [ins.src[2] if ins.src else "" for ins in t]
+    t, fn, (lens, tk) = _packed_one_kv_head(rng, "trn2", 6)
     dmas = [ins for ins in t if ins.engine == "dma" and ins.writes[0].buffer == "sbuf"]
     # Q: one DMA transpose per item, nothing else reads q; no TensorE transposes of Q
     qT = [ins for ins in dmas if ins.opcode == "dma_transpose"]

@@ -208,18 +208,24 @@ def test_program_ends_with_a_split_division(tgt):
                for i in ins[lse_store[-1]:last])                         # lse's store
 
 
+def _h16_s_q2_paged_trace(tgt, seed):
+    """One 2048-token sequence, s_q = 2, H = 16 (packed), paged/64, checked against the
+    references under a trace; returns its instructions."""
+    from nki_kernels.emulator.trace import trace
+    rng = np.random.default_rng(seed)
+    lens = [2048]
+    qn, qr, kv, table = _inputs(rng, 1, 2, 16, lens, 64)
+    with trace() as t:
+        _check(qn, qr, kv, lens, table, what=f"mla_decode {tgt}")
+    return list(t)
+
+
 def test_drafts_last_tile_packs(tgt):
     """With drafts (s_q > 1) a sequence's last tile, when full, runs packed like the others:
     the drafts' diagonal is masked per slot slice (``range_select`` over the 128 slot rows, one
     per slice), not in the row layout (a ``range_select`` over the s_q H rows). On Trn3 the
     packed exponentials run on VectorE and part of K^T by identity matmuls."""
-    from nki_kernels.emulator.trace import trace
-    rng = np.random.default_rng(5)
-    lens = [2048]
-    qn, qr, kv, table = _inputs(rng, 1, 2, 16, lens, 64)
-    with trace() as t:
-        _check(qn, qr, kv, lens, table, what=f"mla_decode {tgt}")
-    ins = list(t)
+    ins = _h16_s_q2_paged_trace(tgt, 5)
     rs = [i for i in ins if i.opcode == "range_select"]
     assert len(rs) == 2                            # one per slice of a slot (Ts = 2)
     assert all(i.writes[0].partitions == (0, 128) for i in rs)
@@ -239,13 +245,7 @@ def test_packed_program_start_and_end_orders(tgt):
     o left in the fold's PSUM: lse on ScalarE alone (no VectorE pass ahead of the division) and
     its store reads partitions apart from o's (other DMA queues: behind o's store on the same
     queues it ended the program ~0.2 us later). The values are checked here and elsewhere."""
-    from nki_kernels.emulator.trace import trace
-    rng = np.random.default_rng(7)
-    lens = [2048]
-    qn, qr, kv, table = _inputs(rng, 1, 2, 16, lens, 64)
-    with trace() as t:
-        _check(qn, qr, kv, lens, table, what=f"mla_decode {tgt}")
-    ins = list(t)
+    ins = _h16_s_q2_paged_trace(tgt, 7)
     dma = [i for i in ins if i.engine == "dma"]
     assert dma[0].writes[0].dtype == "int32"                     # the block table first
     q_load = next(k for k, i in enumerate(dma) if i.reads[0].buffer.endswith("hbm")
