@@ -307,6 +307,28 @@ def test_fp8_k_pairs(tgt, rng, d, Hkv, bs, pairs):
     assert (n_dma_t > 0) == pairs, n_dma_t
 
 
+@pytest.mark.parametrize("d, Hq, Hkv, s_q, pe_pairs", [
+    (128, 6, 3, 2, True), (64, 20, 5, 1, True), (256, 4, 2, 2, True),
+    (64, 64, 4, 8, False)])
+def test_fp8_paged_k_pairs_by_tensor_engine(tgt, rng, d, Hq, Hkv, s_q, pe_pairs):
+    """Paged FP8 K on Trn2: the loaded tile viewed as bf16 dim pairs is transposed on TensorE
+    (heads sharing a transpose: two at d = 128, four at 64, one at 256; a partial last pair
+    tile with odd H_kv; partial last tiles, lengths 2 (or s_q), 17, 300, 1100) and QK^T takes
+    the even / odd-dim passes; no FP8 K goes through a matmul with the identity. Trn3,
+    and row groups that split a pair tile (d = 64 with one head per row group), keep the identity
+    matmul. Checked on the trace and against the reference."""
+    from nki_kernels.emulator.trace import trace
+    f8 = FP8[tgt]
+    lens = [max(2, s_q), 17, 300, 1100]
+    q, k, v = _inputs(rng, 4, s_q, Hq, Hkv, d, lens, kv_dtype=f8)
+    with trace() as tr:
+        _run(q, k, v, lens, 16, k_scale=0.05, v_scale=0.5)
+    # the identity matmul takes the FP8 keys as its stationary operand
+    fp8_stationary = sum(ins.opcode == "nc_matmul" and ins.attrs.get("in_dtype") == f8.__name__
+                         for ins in tr)
+    assert (fp8_stationary == 0) == (pe_pairs and tgt == "trn2"), fp8_stationary
+
+
 def test_lnc2_split_matches(tgt, rng):
     """LNC=2: the long sequence is split over both cores and merged through the lse; sinks go to
     one part only."""

@@ -210,6 +210,23 @@ def sbuf_bytes(T: int, h_kv: int, d: int, itemsize: int, nslot: int) -> int:
     return kv + jobs + 4 * 1024
 
 
+def fp8_pairs(cfg: DecodePlan, kv_dtype):
+    """``(d/2, heads per transpose)`` where FP8 K^T is taken as dim pairs, else None: row layout
+    (not packed plans), d / 2 divides 128; paged caches (TensorE transposes of the pairs) on
+    Trn2 only and where every row group holds whole pair tiles. Trn3's identity matmul writes
+    bf16 PSUM, and there the pairs' doubled QK^T passes cost more than the transposes save
+    (Llama-3-8B B=8 L=2K paged/64 FP8, modeled: Trn2 187.3 -> 152.3 us, Trn3 117.8 -> 125.1)."""
+    if kv_dtype in (nl.bfloat16, nl.float16) or cfg.packed:
+        return None
+    pairs = pair_heads(cfg.d)
+    if pairs is None:
+        return None
+    if cfg.layout.paged and (nisa.get_nc_version() >= 4
+                             or (cfg.nslot % pairs[1] and cfg.n_groups > 1)):
+        return None
+    return pairs
+
+
 def slot_width(rows: int) -> int:
     for w in (32, 64, 128):
         if rows <= w:
@@ -262,9 +279,10 @@ def decode_attention_kernel(q, k_cache, v_cache, block_table, rowtab, cfg):
     mine = cfg.items[pid]
     split, parts_hbm = split_parts(cfg.items, cfg.n_groups, d)
     # the identity (one DMA of 128 rows of 256 B: queue time at the start) only where it is used:
-    # FP8 K^T by matmul, and the last sequence's stores with s_q > 1 (_store_by_draft)
+    # FP8 K^T by matmul (no pairs), and the last sequence's stores with s_q > 1 (_store_by_draft)
     ident = None
-    if k_cache.dtype not in (nl.bfloat16, nl.float16) or s_q > 1:
+    fp8 = k_cache.dtype not in (nl.bfloat16, nl.float16)
+    if (fp8 and fp8_pairs(cfg, k_cache.dtype) is None) or s_q > 1:
         ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)               # [128, 128]
     if pid == 0:
         empty_rows(out, lse, cfg.seq_lens, s_q * Hq, d, cfg.out_dtype)
@@ -342,13 +360,13 @@ class _Run:
         self.lay = cfg.layout
         self.DT = -(-cfg.d // P)
         self.n_evict = 0
-        # FP8 K^T by DMA transposes of dim pairs (2-byte elements), no TensorE pass: row-layout
-        # tiles of a contiguous cache. (Paged caches keep the TensorE path: one transpose per
-        # page and head pair modeled at 523 vs 202 us on Llama-3-8B B=8 L=2K paged/64, Trn2.)
+        # FP8 K^T as dim pairs (2-byte elements; QK^T then takes an even-dim and an odd-dim
+        # pass): row-layout tiles. Contiguous caches bring the pairs in by DMA transposes, paged
+        # ones transpose the loaded tile on TensorE (one DMA transpose per page and head pair
+        # modeled at 523 vs 202 us on Llama-3-8B B=8 L=2K paged/64, Trn2), see stage_kT
         self.fp8 = k_cache.dtype not in (nl.bfloat16, nl.float16)
-        self.pairs = None
-        if self.fp8 and not cfg.packed and not cfg.layout.paged:
-            self.pairs = pair_heads(cfg.d)
+        self.pairs = fp8_pairs(cfg, k_cache.dtype)
+        self.kT_dma = self.pairs is not None and not cfg.layout.paged
         # one KV head: a page is a few partitions, one small DMA per page and cache, and the Sync
         # triggers bind (Llama-3-70B TP8 B=8 L=8K paged/64); one page in SWDGE_EVERY goes
         # through the software DGE on GpSimd instead
@@ -385,7 +403,7 @@ class _Run:
         # (bf16 rows modeled 2-25% slower)
         ring = [[nl.ndarray((P, lay.tile_keys), dtype=nl.uint16, buffer=nl.sbuf)  # [(h, i), keys]
                  for _ in range(0, lay.h_kv, self.pairs[1])]
-                for _ in range(K_RING)] if self.pairs else None
+                for _ in range(K_RING)] if self.kT_dma else None
 
         def fetch(j, which):
             """Issue the K ("k") or V ("v") loads of tile j; V runs ``vb`` tiles behind K, so
@@ -402,7 +420,7 @@ class _Run:
                 elif lay.paged:
                     idx[ii] = _table_row(self.bt, it, lay, self.cfg.table_row(it.b))
             cache = self.kc if which == "k" else self.vc
-            if which == "k" and self.pairs:
+            if which == "k" and self.kT_dma:
                 hpt = self.pairs[1]
                 t = ring[j % K_RING]
                 for kT, h0 in zip(t, range(0, lay.h_kv, hpt)):
@@ -719,9 +737,12 @@ class _Run:
     def stage_kT(self, job):
         """K^T of each head of the group, key order restored on eviction (column p*T + t comes
         from transpose t of partition p). A generator: yields after each transpose. FP8 K^T
-        pairs come by DMA (nothing to do)."""
-        if self.pairs:
+        pairs come by DMA (nothing to do) or by :meth:`_kT_pairs`."""
+        if self.kT_dma:
             job.kTs = job.kt
+            return
+        if self.pairs:
+            yield from self._kT_pairs(job)
             return
         cfg, lay, DT = self.cfg, job.lay, self.DT
         T, npp, ncol, kt = lay.T, job.npp, job.ncol, job.kt
@@ -755,6 +776,38 @@ class _Run:
                         dstv = kT[0:dsz, dt, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
                         self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
             job.kTs.append(kT)
+
+    def _kT_pairs(self, job):
+        """FP8 K^T pairs of the group's heads by TensorE: the loaded tile viewed as bf16 (each
+        element the dims ``2i, 2i + 1`` of one head, ``.view``, nki-spec 6.3) is transposed
+        ``hpt`` heads at a time, ``[keys, (hh, i)]`` -> ``[(hh, i), keys]``: the layout of
+        :func:`.kv_cache.load_kT_pairs`, so QK^T takes its even / odd-dim passes. A TensorE
+        transpose is bit-exact on gen3+ (nki-spec 9.1.3: it moves the fp8 bytes, whatever the
+        bf16 value they spell) and so is a same-dtype tensor_copy out of PSUM (nki-spec 5.3,
+        "Bit-exact copies"; the spec is silent on bf16 subnormal patterns, which it calls
+        bit-exact like any other). Half the
+        transposes and eviction elements of one transpose per head, and 16-bit PSUM on Trn2 where
+        the identity matmul wrote fp32. A generator: yields after each transpose."""
+        lay = job.lay
+        T, npp, ncol = lay.T, job.npp, job.ncol
+        dp, hpt = self.pairs
+        k16 = job.kt.view(nl.bfloat16)                                    # [128, T, H_kv, d/2]
+        job.kTs = {}
+        heads = job.grp.heads
+        for h0 in range(heads[0], heads[-1] + 1, hpt):       # (groups hold whole pair tiles)
+            C = (min(h0 + hpt, heads[-1] + 1) - h0) * dp
+            kT = nl.ndarray((P, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [(hh,i), keys]
+            for t0 in range(0, T, TR_GROUP):
+                t1 = min(T, t0 + TR_GROUP)
+                tp = nl.ndarray((P, t1 - t0, P), dtype=nl.bfloat16, buffer=nl.psum)
+                for t in range(t0, t1):
+                    src = k16[0:npp, t, h0:h0 + C // dp, :]                          # [keys, C]
+                    nisa.nc_transpose(dst=tp[0:C, t - t0, 0:npp], data=src,
+                                      engine=nisa.engine.tensor)
+                    yield
+                dstv = kT[0:C, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
+                self._evict(dstv.permute((0, 2, 1)), tp[0:C, :, 0:npp])
+            job.kTs[h0 // hpt] = kT
 
     def stage_softmax(self, job):
         """S = Q^T.T @ K^T per slot (PE column tiles side by side); scores out of PSUM in one
