@@ -283,6 +283,51 @@ def test_mla_decode_fp8(tgt, H, lens):
     _check(qn, qr, kv, lens, table, kv_scale=0.125, what=f"mla_decode fp8 {tgt}")
 
 
+def test_fp8_packed_kT_as_dim_pairs(tgt):
+    """Per-tensor FP8, packed (TP8 H = 16): K^T is taken as dim pairs, by TensorE transposes
+    of the FP8 tile viewed as bf16 (3 per 128 keys: 128 + 128 + 32 pairs), not by identity
+    matmuls (5 per 128 keys), and QK^T contracts the even and the odd dims in two passes per
+    chunk (FP8 moving views, bf16 Q^T of the even / odd dims), 6 passes; PV reads V from the
+    FP8 tile. Values checked too (with the format's range limits in the cache)."""
+    from nki_kernels.emulator.trace import trace
+    rng = np.random.default_rng(9)
+    lens = [2100]                            # a full packed tile (T = 16) and a partial one
+    dt = FP8[tgt]
+    qn, qr, kv, table = _inputs(rng, 1, 1, 16, lens, 64, dtype=dt)
+    kv[0, 0, 0:4] = np.array([448.0 if tgt == "trn3" else 240.0, -2.0 ** -6, 0.0, 1.0],
+                             dtype=np.float32).astype(dt)
+    with trace() as t:
+        _check(qn, qr, kv, lens, table, kv_scale=0.25, what=f"mla_decode fp8 {tgt}")
+    ins = list(t)
+    f8 = np.dtype(dt).name
+    latent = {i.writes[0].alloc for i in ins if i.opcode == "dma_copy" and i.writes
+              and i.writes[0].dtype == f8}                 # the latent tiles in SBUF
+    kt_tr = [i for i in ins if i.opcode == "nc_transpose" and i.reads[0].alloc in latent]
+    kt_mm = [i for i in ins if i.opcode == "nc_matmul" and i.attrs.get("in_dtype") == f8]
+    qk8 = [i for i in ins if i.opcode == "nc_matmul" and i.attrs.get("in_dtype") == "bfloat16"
+           and i.attrs.get("mov_dtype") == f8 and i.reads[1].alloc not in latent]
+    pv8 = [i for i in ins if i.opcode == "nc_matmul" and i.attrs.get("mov_dtype") == f8
+           and i.reads[1].alloc in latent]
+    assert pv8                                              # V straight from the FP8 tile
+    assert not kt_mm                                        # no identity matmul
+    assert all(i.reads[0].dtype == "bfloat16" for i in kt_tr)
+    assert len(kt_tr) == 2 * 16 * 3          # 2 tiles x 16 slices x 3 chunks of pairs
+    assert sorted({i.reads[0].partitions[1] - i.reads[0].partitions[0] for i in kt_tr}) \
+        == [4, 128]                                         # keys per transpose
+    assert {i.attrs.get("K") for i in qk8} == {128, 32}     # pair chunks 128, 128, 32
+    assert len(qk8) == 4 * 6 + 6             # packed: 4 slots x 6 passes; row layout: 6
+
+
+def test_fp8_packed_two_slots_of_64_rows(tgt):
+    """Per-tensor FP8 with 64 query rows (s_q = 4, H = 16: two PE column tiles of 64): a slot
+    scores 8 slices of a T = 16 tile, 1024 columns, which Trn2 takes in matmuls of one fp32
+    PSUM bank (512 columns) each; it was refused there before."""
+    rng = np.random.default_rng(4)
+    lens = [2500]
+    qn, qr, kv, table = _inputs(rng, 1, 4, 16, lens, dtype=FP8[tgt])
+    _check(qn, qr, kv, lens, table, kv_scale=0.5, what=f"mla_decode fp8 s_q=4 {tgt}")
+
+
 def _token_scales(rng, kv, lens, table=None, lo=-8.0, hi=4.0):
     """Per-token scales 2^lo..2^hi (log-uniform) shaped like the cache's leading dims, NaN in
     every slot a sequence does not read (past its length; paged: unused pages and page tails)."""

@@ -26,7 +26,8 @@ The stages of consecutive (tile, row group) jobs are software-pipelined (K^T, QK
 P^T, PV with lags 0..3) as in decode attention, loads PREFETCH tiles ahead.
 
 FP8 caches: a per-tensor ``kv_scale`` folds into the score scale and the output (the latent is
-used as stored, K^T by identity matmuls); per-token scales (one fp32 per cache slot) dequantize
+used as stored, K^T by identity matmuls; packed tiles (few rows) as dim pairs, by TensorE
+transposes of the tile viewed as bf16); per-token scales (one fp32 per cache slot) dequantize
 each tile once in SBUF to bf16 (``c[p, t, :] * kv_scale`` per partition and token slice, VectorE /
 ScalarE), after which the tile runs the bf16 path (TensorE transposes for K^T).
 """
@@ -68,6 +69,8 @@ D_LATENT = 512        # c_kv: K (first part) and V
 D_ROPE = 64           # k_rope: K only
 D_QK = D_LATENT + D_ROPE
 DT = -(-D_QK // P)    # 5 contraction chunks (4 x 128 + 64)
+DP = D_QK // 2        # FP8 K^T as dim pairs (2-byte elements): 288 pairs
+DTP = -(-DP // P)     # in 3 chunks (128 + 128 + 32)
 MAX_S_Q = 4
 MM_N = 512            # score columns per matmul (one fp32 PSUM bank)
 TR_GROUP = 8          # 128-key transposes per PSUM buffer
@@ -92,6 +95,18 @@ KT_MM_SLICES = (2, 5, 7)
 # every K^T a transpose carried 42 of a tile's 70 TensorE passes. Modeled, TP8 H=16 B=1 L=32K /
 # B=32 L=4K paged (us), with the other 2026-11-29 changes: none 90.5 / 123.5, (7) 88.1 / 123.5,
 # (3, 7) 88.1 / 123.9, (2, 5, 7) 88.1 / 123.1, (1, 3, 5, 7) 88.4 / 123.8.
+# Packed per-tensor FP8 (few rows, both targets): K^T as dim pairs. The FP8 tile viewed as
+# bf16 (each element the dims 2i, 2i + 1 of one key, ``.view``, nki-spec 6.3) is transposed by
+# TensorE, bit-exact (nki-spec 9.1.3: the transpose moves the bytes, whatever bf16 value they
+# spell; so does the same-dtype eviction, nki-spec 5.3): 3 transposes per 128 keys (on Trn3's
+# background lane) instead of 5 identity matmuls on the PE array (a TensorE transpose of FP8
+# itself yields 16-bit elements, nki-spec 10), and half the eviction elements (bf16, where
+# Trn2's identity matmuls wrote fp32 PSUM). QK^T then contracts the even and the odd dims in
+# two passes per chunk (the pairs viewed back as FP8, stride-2 moving views; mixed bf16 x FP8
+# operands, nki-spec 9.1.1; the spec is silent on a strided moving operand's rate, the cost
+# model prices a matmul by its N alone), 6 passes per 512 keys instead of 5. As decode attention's paged
+# FP8 K^T on Trn2 (`decode_attention._kT_pairs`). Modeled, TP8 H=16 B=1 L=32K / B=128 L=4K
+# paged/64 (us): Trn3 115.3 / 147.7 -> 69.5 / 114.6, Trn2 136.1 / 179.1 -> 100.7 / 148.6.
 STT_TAIL = 2
 # Packed o updates on Trn3 run split (``o alpha`` on ScalarE, the PSUM add on VectorE), except
 # the program's last STT_TAIL + 1 tiles (one VectorE pass each: split, the updates of the tail
@@ -210,10 +225,11 @@ def mla_decode_kernel(q_nope, q_rope, kv_cache, block_table, rowtab, cfg, kv_sca
     mine = cfg.items[pid]
     split, parts_hbm = split_parts(cfg.items, cfg.n_groups, D_LATENT)
     ident = None
-    if kv_cache.dtype not in (nl.bfloat16, nl.float16) and not cfg.dequant:
+    fp8_stored = kv_cache.dtype not in (nl.bfloat16, nl.float16) and not cfg.dequant
+    if fp8_stored and cfg.nslot == 1:    # (packed: K^T as dim pairs by transposes, no identity)
         # FP8 used as stored (per-tensor scale): K^T by matmul with the identity
         ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)               # [128, 128]
-    elif cfg.nslot > 1 and nisa.get_nc_version() >= 4:
+    elif cfg.nslot > 1 and nisa.get_nc_version() >= 4 and not fp8_stored:
         # packed tiles: part of K^T by identity matmuls (KT_MM_SLICES); built on chip, not
         # loaded: a DMA of it queued ahead of the first latent tiles
         ident = identity(nl.bfloat16)                                         # [128, 128]
@@ -277,6 +293,8 @@ class _Run:
         # background transposes (NC-v4): a transpose runs beside a matmul, so P^T is woven into
         # the PV matmuls; before, P^T goes ahead of them
         self.bg_transpose = nisa.get_nc_version() >= 4
+        # packed per-tensor FP8: K^T (and Q^T) as dim pairs
+        self.pairs = self.kt_fp8 and cfg.nslot > 1
         self.ks = kv_scale
         self.n_evict = 0
         self.n_deq = 0
@@ -414,14 +432,18 @@ class _Run:
                 if cfg.nslot > 1 and rows < cfg.W:   # (disjoint from the loads: no wait)
                     nisa.memset(dst=q_sb[a + rows:a + cfg.W, :], value=0.0,
                                 engine=nisa.engine.gpsimd)
-            qT = nl.ndarray((P, DT, P), dtype=self.qn.dtype, buffer=nl.sbuf)     # [576, rows]
-            tq = nl.ndarray((P, DT, P), dtype=self.qn.dtype, buffer=nl.psum)
-            for dt in range(DT):
-                dsz = min(P, D_QK - dt * P)
-                nisa.nc_transpose(dst=tq[0:dsz, dt, 0:width],
-                                  data=q_sb[0:width, dt * P:dt * P + dsz], engine=nisa.engine.tensor)
-                nisa.tensor_copy(dst=qT[0:dsz, dt, 0:width], src=tq[0:dsz, dt, 0:width],
-                                 engine=nisa.engine.vector)
+            if self.pairs:
+                qT = self._qT_pairs(q_sb, width)
+            else:
+                qT = nl.ndarray((P, DT, P), dtype=self.qn.dtype, buffer=nl.sbuf)   # [576, rows]
+                tq = nl.ndarray((P, DT, P), dtype=self.qn.dtype, buffer=nl.psum)
+                for dt in range(DT):
+                    dsz = min(P, D_QK - dt * P)
+                    nisa.nc_transpose(dst=tq[0:dsz, dt, 0:width],
+                                      data=q_sb[0:width, dt * P:dt * P + dsz],
+                                      engine=nisa.engine.tensor)
+                    nisa.tensor_copy(dst=qT[0:dsz, dt, 0:width], src=tq[0:dsz, dt, 0:width],
+                                     engine=nisa.engine.vector)
             # [rows, 2]; packed: [128 slot rows, 2 + Ts] (the masked tile's bounds)
             nr, ncol = (P, NCOL + cfg.Ts) if cfg.masked_packed else (rows, NCOL)
             rt = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.sbuf)
@@ -433,6 +455,25 @@ class _Run:
                 psm = SoftmaxState(P, D_LATENT, 1.0, sum_in_o=False)
             groups.append(_Group(g, r0, rows, qT, rt, sm, psm))
         return groups
+
+    def _qT_pairs(self, q_sb, width):
+        """Q^T of the even and odd dims, ``[pairs (3 chunks), parity, rows]``: ``[i, ct, j, r]``
+        is dim ``2 (128 ct + i) + j`` of row ``r``, meeting K^T pair ``128 ct + i``."""
+        qx = nl.ndarray((P, 2, DP), dtype=self.qn.dtype, buffer=nl.sbuf)     # [rows, parity, 288]
+        for j in (0, 1):
+            nisa.tensor_copy(dst=qx[0:width, j, :], src=q_sb[0:width, j:D_QK:2],
+                             engine=nisa.engine.vector)
+        tq = nl.ndarray((P, DTP, 2, P), dtype=self.qn.dtype, buffer=nl.psum)
+        qT = nl.ndarray((P, DTP, 2, P), dtype=self.qn.dtype, buffer=nl.sbuf)
+        for ct in range(DTP):
+            csz = min(P, DP - ct * P)
+            for j in (0, 1):
+                nisa.nc_transpose(dst=tq[0:csz, ct, j, 0:width],
+                                  data=qx[0:width, j, ct * P:ct * P + csz],
+                                  engine=nisa.engine.tensor)
+            nisa.tensor_copy(dst=qT[0:csz, ct, :, 0:width], src=tq[0:csz, ct, :, 0:width],
+                             engine=nisa.engine.vector)
+        return qT
 
     def finish(self, it, groups):
         for grp in groups:
@@ -574,12 +615,16 @@ class _Run:
         on eviction (column p T + t comes from transpose t of partition p); packed tiles keep the
         slice order (column t 128 + p: each slot's slices are one contiguous run). FP8 used as
         stored (per-tensor scale): by matmul with the identity (fp32 PSUM, bf16 on Trn3), the
-        partial partition's tail zeroed at load; per-token tiles arrive here as bf16."""
+        partial partition's tail zeroed at load (packed: as dim pairs, ``_kT_pairs``);
+        per-token tiles arrive here as bf16."""
         lay = self.lay
         T = lay.T
         npp = -(-n // T)
         ncol = npp * T
         c = tile.c
+        if self.pairs:
+            yield from self._kT_pairs(tile, npp, ncol, packed)
+            return
         kT = nl.ndarray((P, DT, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)  # [576, 128T]
         # FP8: bf16 PSUM where the target has it (Trn3; e4m3fn values are bf16 values: exact)
         tp_dt = (nl.bfloat16 if nisa.get_nc_version() >= 4 else nl.float32) if self.kt_fp8 \
@@ -607,9 +652,50 @@ class _Run:
                     self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
         tile.kT = kT
 
+    def _kT_pairs(self, tile, npp, ncol, packed):
+        """FP8 K^T as dim pairs, ``[288 pairs (3 chunks), 128 T]`` bf16 (each element the FP8
+        dims ``2i, 2i + 1`` of one key): TensorE transposes of the tile viewed as bf16, evicted
+        in key order (row layout) or slice order (packed), as ``stage_kT``."""
+        lay = self.lay
+        T = lay.T
+        c16 = tile.c.view(nl.bfloat16)                                  # [128, T, 1, 288]
+        kT = nl.ndarray((P, DTP, lay.tile_keys), dtype=nl.bfloat16, buffer=nl.sbuf)
+        for ct in range(DTP):
+            csz = min(P, DP - ct * P)
+            for t0 in range(0, T, TR_GROUP):
+                t1 = min(T, t0 + TR_GROUP)
+                tp = nl.ndarray((P, t1 - t0, P), dtype=nl.bfloat16, buffer=nl.psum)
+                for t in range(t0, t1):
+                    nisa.nc_transpose(dst=tp[0:csz, t - t0, 0:npp],
+                                      data=c16[0:npp, t, 0, ct * P:ct * P + csz],
+                                      engine=nisa.engine.tensor)
+                    yield
+                if packed:
+                    dstv = kT[0:csz, ct, t0 * P:t1 * P].reshape_dim(1, (t1 - t0, P))
+                    self._evict(dstv, tp[0:csz, :, :])
+                else:
+                    dstv = kT[0:csz, ct, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
+                    self._evict(dstv.permute((0, 2, 1)), tp[0:csz, :, 0:npp])
+        tile.kT = kT
+
+    def _qk_passes(self, grp, kT, r0, W, c0, c1):
+        """The contraction passes of ``S[r0:r0+W, c0:c1]``: ``(stationary, moving)`` per pass,
+        5 chunks of the 576 dims, or (dim pairs) an even and an odd pass per chunk of pairs."""
+        if self.pairs:
+            k8 = kT.view(self.kv.dtype)                                   # [pairs, 3, 2 keys]
+            for ct in range(DTP):
+                csz = min(P, DP - ct * P)
+                for j in (0, 1):
+                    yield grp.qT[0:csz, ct, j, r0:r0 + W], k8[0:csz, ct, 2 * c0 + j:2 * c1:2]
+            return
+        for dt in range(DT):
+            dsz = min(P, D_QK - dt * P)
+            yield grp.qT[0:dsz, dt, r0:r0 + W], kT[0:dsz, dt, c0:c1]
+
     def stage_softmax(self, job):
-        """S = Q^T.T K^T (5 accumulating matmuls per 512 keys); X = qk_mul S out of PSUM with the
-        row max fused (masked where the tile needs it); online-softmax max / exp / sums."""
+        """S = Q^T.T K^T (5 accumulating matmuls per 512 keys, 6 with dim pairs); X = qk_mul S out
+        of PSUM with the row max fused (masked where the tile needs it); online-softmax max /
+        exp / sums."""
         cfg, lay = self.cfg, self.lay
         grp, ncol, k0 = job.grp, job.ncol, job.k0
         rows = grp.rows
@@ -617,10 +703,8 @@ class _Run:
         S = nl.ndarray((P, lay.tile_keys), dtype=nl.float32, buffer=nl.psum)      # [rows, 128T]
         for c0 in range(0, ncol, MM_N):
             c1 = min(ncol, c0 + MM_N)
-            for dt in range(DT):
-                dsz = min(P, D_QK - dt * P)
-                nisa.nc_matmul(dst=S[0:rows, c0:c1], stationary=grp.qT[0:dsz, dt, 0:rows],
-                               moving=kT[0:dsz, dt, c0:c1], accumulate=dt > 0)
+            for k, (st, mv) in enumerate(self._qk_passes(grp, kT, 0, rows, c0, c1)):
+                nisa.nc_matmul(dst=S[0:rows, c0:c1], stationary=st, moving=mv, accumulate=k > 0)
                 yield
         sm = grp.sm
         L = cfg.seq_lens[job.it.b]
@@ -694,14 +778,20 @@ class _Run:
         grp = job.grp
         ncol = Ts * P
         S = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.psum)              # [slots, Ts 128]
-        for dt in range(DT):
-            dsz = min(P, D_QK - dt * P)
-            for s in range(cfg.nslot):               # slots innermost: their matmuls overlap
-                r0 = s * W
-                nisa.nc_matmul(dst=S[r0:r0 + W, :], stationary=grp.qT[0:dsz, dt, r0:r0 + W],
-                               moving=kT[0:dsz, dt, s * ncol:(s + 1) * ncol], accumulate=dt > 0,
-                               tile_position=(0, r0), tile_size=(P, W))
-            yield
+        # Trn2: at most one fp32 PSUM bank (512 columns) per matmul (2 slots of a T = 16 FP8
+        # tile score 1024 columns each); Trn3 takes up to 4096 (nki-spec 9.1.1)
+        mm_n = ncol if nisa.get_nc_version() >= 4 else MM_N
+        for c0 in range(0, ncol, mm_n):
+            c1 = min(ncol, c0 + mm_n)
+            passes = [list(self._qk_passes(grp, kT, s * W, W, s * ncol + c0, s * ncol + c1))
+                      for s in range(cfg.nslot)]
+            for k in range(len(passes[0])):
+                for s in range(cfg.nslot):           # slots innermost: their matmuls overlap
+                    r0 = s * W
+                    st, mv = passes[s][k]
+                    nisa.nc_matmul(dst=S[r0:r0 + W, c0:c1], stationary=st, moving=mv,
+                                   accumulate=k > 0, tile_position=(0, r0), tile_size=(P, W))
+                yield
         sm = grp.psm
         X = nl.ndarray((P, ncol), dtype=nl.float32, buffer=nl.sbuf)
         if job.masked:
@@ -779,8 +869,11 @@ _FP8 = {3: "float8_e4m3", 4: "float8_e4m3fn"}
 # With P^T woven into PV on Trn3 (2026-11-28), H=128 per-tensor FP8 L=32K at (eviction share,
 # dequantization share): (0.6, 0.125) 143.6, (0.7, 0.125) 140.3, (0.75, 0.125) 142.4, (0.8, 0.125)
 # 144.4, (1, 0.125) 148.5, (0.7, 0) 143.5, (0.7, 0.25) 143.4.
-DEQ_ACT = {3: (0.75, 0.75), 4: (0.125, 0.25)}
-TOK_EVICT_ACT = {3: (0.5, 0.6), 4: (0.7, 0.8)}
+# Packed on Trn3 re-tuned 2026-11-29 (TP8 H=16 B=1 L=32K, ScalarE-bound at (0.8, 0.25)
+# 115.3 us, 31 us of it dequantization at ScalarE's 1x FP8 rate): (0.8, 0.125) 103.6, (0.8, 0)
+# 103.2, (0.9, 0) 100.7, (0.85, 0) 100.4; B=128 L=4K paged/64 146.8 -> 140.2.
+DEQ_ACT = {3: (0.75, 0.75), 4: (0.125, 0.0)}
+TOK_EVICT_ACT = {3: (0.5, 0.6), 4: (0.7, 0.85)}
 
 
 def _per_token(x) -> bool:
