@@ -227,6 +227,10 @@ def nc_transpose(dst, data, engine=Engine.unknown, name=None):
         raise fail(I, "dst", f"has shape {dst.shape}; the transpose of {data.shape} is [{F}, {P}]")
     if dst.dtype is not data.dtype:
         raise fail(I, "dst", f"has dtype {dst.dtype}; nc_transpose keeps the dtype {data.dtype}")
+    # Unsettled: FP8 data on TensorE. nki-spec 9.1.3 gives nc_transpose the input dtype, but its
+    # transpose-mode note (9.1.1, "gen3 fp8 input -> 16-bit elements with upper 8 bits zero")
+    # says the PE array writes FP8 as 16-bit elements. We follow 9.1.3 (an FP8 dst gets the
+    # bytes). The FP8 K^T of decode_attention and mla_decode avoid it (bf16-viewed dim pairs).
     dst.write_pf(data.read_pf().T, cast=False)
     if dst.buffer is rt.psum:
         mask_view(dst)[...] = eng.name == "tensor"
