@@ -365,7 +365,8 @@ def test_torch_in(rng):
 def test_block_choice_and_padding():
     assert choose_blocks([256] * 8, 512) == (256, 0)           # one full block per expert
     assert choose_blocks([20, 30], 512) == (128, 0)            # below the ridge: the smallest
-    assert choose_blocks([300, 290], 512) == (256, 64)         # 256 + a 64-token tail each
+    assert choose_blocks([300, 290], 512) == (256, 320)        # one merged block of 320 each
+    assert choose_blocks([300, 290], 256) == (256, 64)         # 256 + a 64-token tail each
     assert choose_blocks([500, 500], 256) == (256, 0)          # capped by the SBUF plan
     lids = np.array([[0, 2], [2, -1], [0, 2]])
     w = np.array([[0.25, 0.75], [1.0, 0.3], [0.5, 0.5]], np.float32)
@@ -388,6 +389,32 @@ def test_prefill_with_tail_blocks(rng):
     x, wgu, wd, _, _ = _case(rng, T, 256, 128, 4, 1)
     ids = np.where(np.arange(T) < 300, 1, 3).astype(np.int32)[:, None]
     _run(x, wgu, wd, rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32), ids, "prefill")
+
+
+def test_prefill_merged_blocks(tgt, rng):
+    """Experts a little over one 256-token block (Qwen3-30B-A3B's loads at T = 4096): one merged
+    block of 320 tokens each instead of a full block plus a 64-token tail block, so each expert's
+    weights stream once (the trace's weight reads: each chosen expert's bytes exactly once)."""
+    H, I, E = 256, 128, 4
+    ids = np.repeat(np.array([0, 1, 3], np.int32), [256, 300, 320])[:, None]
+    T = ids.shape[0]
+    assert choose_blocks([256, 300, 0, 320], 512) == (256, 320)
+    (be, n, _, _, _), (bt, nt, gi, si, _) = plan_prefill_routing(
+        ids, np.ones((T, 1), np.float32), E, 256, 320)
+    assert be[0, :1].tolist() == [0] and int(n[0, 0]) == 1
+    assert bt[0, :2].tolist() == [1, 3] and int(nt[0, 0]) == 2 and gi.shape[1] == 320
+    assert si[0, :300].tolist() == list(range(256, 556)) and si[0, 300] == T      # padding
+    x, wgu, wd, _, _ = _case(rng, T, H, I, E, 1)
+    with trace() as t:
+        _run(x, wgu, wd, rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32), ids, "prefill")
+    per_alloc = {}
+    for ins in t:
+        if ins.engine == "dma":
+            for op in ins.reads:
+                if op.buffer.endswith("hbm"):
+                    per_alloc[op.alloc] = per_alloc.get(op.alloc, 0) + op.nbytes
+    once = (3 * H * 2 * I * 2, 3 * I * H * 2)          # gate|up and down of 3 experts, once
+    assert all(b in per_alloc.values() for b in once), str(sorted(per_alloc.values()))
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -677,6 +704,32 @@ def test_prefill_gate_up_in_passes(tgt, rng, T, fp8):
     ref = fused_moe_ref(x, g8, d8, w, ids, act_dtype=dtype, **kw)
     y = fused_moe(x, g8, d8, w, ids, regime="prefill", **kw)
     assert cosine_similarity(y.astype(np.float32), ref.astype(np.float32)) > 0.999
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_prefill_down_writes_token_rows(tgt, rng, tiled):
+    """bf16: the routed and shared experts' down GEMMs hold 128 tokens of h stationary and stream
+    the weight rows (512 columns per matmul), so they write token rows: the prefill runs no fp32
+    PE transposes of y (only the K = 1 ones of the token-scale row). H = 640: a pass ends in a
+    narrow 128-column group; I = 384; a 64-token tail block; a shared expert."""
+    T, H, I, E = 330, 640, 384, 3
+    ids = np.where(np.arange(T) < 300, 0, 2).astype(np.int32)[:, None]
+    w = rng.uniform(0.5, 1.5, (T, 1)).astype(np.float32)
+    x, wgu, wd, _, _ = _case(rng, T, H, I, E, 1)
+    sg, sd = (a[0].astype(BF16) for a in _weights(rng, 1, H, 256))
+    ref = fused_moe_ref(x, wgu, wd, w, ids, shared=(sg, sd))
+    if tiled:
+        wgu, wd, sg, sd = (tile_expert_weights(wgu), tile_expert_weights(wd), tile_weight(sg),
+                           tile_weight(sd))
+    with trace() as t:
+        y = fused_moe(x, wgu, wd, w, ids, regime="prefill", shared=(sg, sd))
+    assert_rows_close(y, ref, what="y (prefill)")
+    tr = [i for i in t if i.opcode == "nc_transpose" and i.attrs["in_dtype"] == "float32"]
+    assert tr and all(min(i.attrs["P"], i.attrs["F"]) == 1 for i in tr), \
+        sorted({(i.attrs["P"], i.attrs["F"]) for i in tr})
+    if not tiled:      # tile-major weights move one 128-column tile per matmul
+        down = [i for i in t if i.opcode == "nc_matmul" and i.attrs["N"] == 512]
+        assert down and all(i.attrs["M"] <= 128 for i in down)
 
 
 @pytest.mark.parametrize("lnc", [1, 2])
