@@ -644,12 +644,7 @@ class _Run:
                         nisa.nc_transpose(dst=tp[0:dsz, t - t0, 0:npp], data=src,
                                           engine=nisa.engine.tensor)
                     yield
-                if packed:
-                    dstv = kT[0:dsz, dt, t0 * P:t1 * P].reshape_dim(1, (t1 - t0, P))
-                    self._evict(dstv, tp[0:dsz, :, :])
-                else:
-                    dstv = kT[0:dsz, dt, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
-                    self._evict(dstv.permute((0, 2, 1)), tp[0:dsz, :, 0:npp])
+                self._evict_kT(kT, dt, dsz, t0, t1, tp, npp, ncol, packed)
         tile.kT = kT
 
     def _kT_pairs(self, tile, npp, ncol, packed):
@@ -670,13 +665,18 @@ class _Run:
                                       data=c16[0:npp, t, 0, ct * P:ct * P + csz],
                                       engine=nisa.engine.tensor)
                     yield
-                if packed:
-                    dstv = kT[0:csz, ct, t0 * P:t1 * P].reshape_dim(1, (t1 - t0, P))
-                    self._evict(dstv, tp[0:csz, :, :])
-                else:
-                    dstv = kT[0:csz, ct, 0:ncol].reshape_dim(1, (npp, T))[:, :, t0:t1]
-                    self._evict(dstv.permute((0, 2, 1)), tp[0:csz, :, 0:npp])
+                self._evict_kT(kT, ct, csz, t0, t1, tp, npp, ncol, packed)
         tile.kT = kT
+
+    def _evict_kT(self, kT, ck, sz, t0, t1, tp, npp, ncol, packed):
+        """Transposes ``t0..t1`` of K^T chunk ``ck`` (``tp [sz, t1 - t0, 128]`` in PSUM) into
+        ``kT``: in slice order (packed: column t 128 + p) or key order (column p T + t)."""
+        if packed:
+            dstv = kT[0:sz, ck, t0 * P:t1 * P].reshape_dim(1, (t1 - t0, P))
+            self._evict(dstv, tp[0:sz, :, :])
+        else:
+            dstv = kT[0:sz, ck, 0:ncol].reshape_dim(1, (npp, self.lay.T))[:, :, t0:t1]
+            self._evict(dstv.permute((0, 2, 1)), tp[0:sz, :, 0:npp])
 
     def _qk_passes(self, grp, kT, r0, W, c0, c1):
         """The contraction passes of ``S[r0:r0+W, c0:c1]``: ``(stationary, moving)`` per pass,
