@@ -521,10 +521,10 @@ def _page_kT(kT, kp, reg, off, k0, m, d, row):
     DMA ring, so the page transposes do not queue behind the Q^T loads, P^T transposes and
     output stores of the static ring. 8-key pages take the static 2-D form. ``reg`` None: a
     static source (the FP8 path's bf16 staging in HBM, :class:`_KStage`)."""
+    dyn = dict(scalar_offset=reg, indirect_dim=0) if reg is not None else {}
     for c in range(-(-d // P)):
         dc = min(P, d - c * P)
         dst = kT[0:dc, c, k0:k0 + m]
-        dyn = dict(scalar_offset=reg, indirect_dim=0) if reg is not None else {}
         if m % G16 == 0:
             nisa.dma_transpose(dst=dst.reshape((dc, 1, m // G16, G16)),
                                src=kp.ap([[row, G16], [m * row, 1], [G16 * row, m // G16],

@@ -1708,20 +1708,25 @@ def _store_rows(y32, ident_f, yT, t0, tb, before, widths, sis, tcols=None, accs=
             g1 = min(len(widths), g0 + 4)
             gw = sum(widths[g0:g1])
             tp = D.transposed_group(yT, ident_f, widths, g0, g1, s0, ts)         # [ts, gw]
-            on_act = (g0 // 4) % 2
-            if tcols is None:
-                nisa.tensor_copy(dst=y_sb[:, col:col + gw], src=tp,
-                                 engine=nisa.engine.scalar if on_act else nisa.engine.vector)
-            elif on_act:
-                nisa.activation(dst=y_sb[:, col:col + gw], op=nl.copy, data=tp, scale=tcols[n])
-            else:
-                nisa.tensor_scalar(dst=y_sb[:, col:col + gw], data=tp, op0=nl.multiply,
-                                   operand0=tcols[n])
+            _evict_rows(y_sb[:, col:col + gw], tp, None if tcols is None else tcols[n],
+                        (g0 // 4) % 2)
             col += gw
         if sis is None:    # the shared expert's rows finish y: its rows plus the accumulators'
             _finish_rows(y32, y_sb, t0 + s0, c0, accs)
             continue
         _scatter_add(y32, y_sb, c0, sis[n])
+
+
+def _evict_rows(dst, src, tcol, on_act):
+    """Token rows out of PSUM into fp32 SBUF, times the per-token scale column ``tcol [ts, 1]``
+    (None: a plain copy), on ScalarE (``on_act``) or VectorE."""
+    if tcol is None:
+        nisa.tensor_copy(dst=dst, src=src,
+                         engine=nisa.engine.scalar if on_act else nisa.engine.vector)
+    elif on_act:
+        nisa.activation(dst=dst, op=nl.copy, data=src, scale=tcol)
+    else:
+        nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=tcol)
 
 
 def _finish_rows(y, y_sb, r0, c0, accs):
@@ -1793,14 +1798,8 @@ def _down_token_rows(wd, hT, I, H, tb, plan, tiled, tcols, emit):
                         nisa.nc_matmul(dst=ps[:, lo - g0:hi - g0],
                                        stationary=hT[0:kk, kt, s0:s0 + ts],
                                        moving=w_k[0:kk, lo - o:hi - o], accumulate=(kt > 0))
-                dst = y_sb[:, g0:g0 + gw]
-                if tcols is None:      # no token scale (the shared expert)
-                    nisa.tensor_copy(dst=dst, src=ps, engine=nisa.engine.scalar if ev % 2
-                                     else nisa.engine.vector)
-                elif ev % 2:   # ScalarE and VectorE take the evictions in turn
-                    nisa.activation(dst=dst, op=nl.copy, data=ps, scale=tcols[n])
-                else:
-                    nisa.tensor_scalar(dst=dst, data=ps, op0=nl.multiply, operand0=tcols[n])
+                # no token scale: the shared expert; ScalarE and VectorE take the evictions in turn
+                _evict_rows(y_sb[:, g0:g0 + gw], ps, None if tcols is None else tcols[n], ev % 2)
                 ev += 1
                 del ps
             emit(n, c0, y_sb)
